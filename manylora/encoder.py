@@ -1,0 +1,302 @@
+"""DeBERTa-v2/v3 encoder with adapter-aware linears and per-adapter position tables.
+
+transformers' ``DebertaV2Model`` is the reference (tests compare hidden states within
+1e-5 in fp32). We own the forward pass because a mixed-adapter batch needs two things
+the reference cannot do:
+
+* every linear runs the base GEMM once for the whole batch and then adds each token's
+  own low-rank update (``LoraBatch.apply``), and
+* query_proj / key_proj also project the shared relative-position table; with LoRA on
+  them every adapter has its own projected table, so each sequence must use its own
+  adapter's table (``LoraBatch.project_table``).
+
+Two constant-folding tricks keep the position work small:
+
+* LayerNorm(rel_embeddings) and its base projections through every layer's query_proj
+  and key_proj do not depend on the input: they are computed once at load time.
+* A sequence of length L only reads the table rows between bucket(-(L-1)) and
+  bucket(L-1) around the centre; attention uses just that window (about 2L rows
+  instead of 2 x position_buckets).
+
+Supported geometry: DeBERTa-v3 as GLiNER2 uses it (relative attention with c2p and/or
+p2c, share_att_key, no absolute positions, no token types, no conv layer). Anything
+else is refused at load with the option that is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from manylora.lora.batch import LoraBatch
+
+
+class AdapterLinear(nn.Module):
+    """``y = x Wᵀ + b`` once for the batch, then every token's own LoRA update.
+
+    ``name`` is the module path inside the GLiNER2 model (``encoder.encoder.layer.0.
+    attention.self.query_proj``); adapters are matched to linears by that path.
+    """
+
+    def __init__(self, name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.name = name
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor, lora: Optional["LoraBatch"] = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            lora.apply(self.name, x, y)
+        return y
+
+    @classmethod
+    def from_linear(cls, name: str, linear: nn.Linear) -> "AdapterLinear":
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(name, linear.weight.detach().clone(), bias)
+
+
+@dataclass(frozen=True)
+class EncoderGeometry:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_size: int
+    intermediate_size: int
+    position_buckets: int
+    max_relative_positions: int
+    c2p: bool
+    p2c: bool
+    layer_norm_eps: float
+    hidden_act: str
+
+    @classmethod
+    def from_config(cls, config) -> "EncoderGeometry":
+        """Validate a DebertaV2Config and keep what the forward pass needs."""
+
+        def refuse(option: str, value) -> None:
+            raise ValueError(
+                f"encoder option {option}={value!r} is not supported by the ManyLoRA "
+                "encoder (it serves DeBERTa-v3 backbones as GLiNER2 uses them)"
+            )
+
+        if getattr(config, "model_type", None) not in ("deberta-v2",):
+            refuse("model_type", getattr(config, "model_type", None))
+        if not getattr(config, "relative_attention", False):
+            refuse("relative_attention", False)
+        if not getattr(config, "share_att_key", False):
+            refuse("share_att_key", False)
+        if getattr(config, "position_biased_input", True):
+            refuse("position_biased_input", True)
+        if getattr(config, "type_vocab_size", 0) > 0:
+            refuse("type_vocab_size", config.type_vocab_size)
+        if getattr(config, "conv_kernel_size", 0) > 0:
+            refuse("conv_kernel_size", config.conv_kernel_size)
+        if getattr(config, "embedding_size", config.hidden_size) != config.hidden_size:
+            refuse("embedding_size", config.embedding_size)
+        if "layer_norm" not in str(getattr(config, "norm_rel_ebd", "none")).lower():
+            refuse("norm_rel_ebd", getattr(config, "norm_rel_ebd", None))
+        pos_att = [p.strip() for p in (config.pos_att_type or [])]
+        if isinstance(config.pos_att_type, str):
+            pos_att = [p.strip() for p in config.pos_att_type.lower().split("|")]
+        if not set(pos_att) <= {"c2p", "p2c"}:
+            refuse("pos_att_type", config.pos_att_type)
+        heads = config.num_attention_heads
+        head_size = getattr(config, "attention_head_size", config.hidden_size // heads)
+        if head_size * heads != config.hidden_size:
+            refuse("attention_head_size", head_size)
+        max_rel = getattr(config, "max_relative_positions", -1)
+        if max_rel < 1:
+            max_rel = config.max_position_embeddings
+        buckets = getattr(config, "position_buckets", -1)
+        if buckets <= 0:
+            refuse("position_buckets", buckets)
+        return cls(
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            head_size=head_size,
+            intermediate_size=config.intermediate_size,
+            position_buckets=buckets,
+            max_relative_positions=max_rel,
+            c2p="c2p" in pos_att,
+            p2c="p2c" in pos_att,
+            layer_norm_eps=config.layer_norm_eps,
+            hidden_act=config.hidden_act,
+        )
+
+
+@lru_cache(maxsize=64)
+def _relative_index(length: int, buckets: int, max_position: int, device: str):
+    """Window-relative gather indices for a sequence of ``length`` tokens.
+
+    Returns ``(lo, hi, c2p_index [L, L], p2c_index [L, L])``: the table rows
+    ``lo..hi`` are the only ones read; indices are relative to ``lo``. Uses
+    transformers' own bucketing so positions match the reference exactly.
+    """
+    from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
+
+    ids = torch.arange(length, dtype=torch.long)
+    rel = ids[:, None] - ids[None, :]
+    rel = make_log_bucket_position(rel, buckets, max_position).to(torch.long)
+    c2p = torch.clamp(rel + buckets, 0, 2 * buckets - 1)
+    p2c = torch.clamp(-rel + buckets, 0, 2 * buckets - 1)
+    lo = int(torch.minimum(c2p.min(), p2c.min()))
+    hi = int(torch.maximum(c2p.max(), p2c.max()))
+    return lo, hi, (c2p - lo).to(device), (p2c - lo).to(device)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, prefix: str, layer, geometry: EncoderGeometry):
+        super().__init__()
+        attn = layer.attention
+        self.geometry = geometry
+        self.query = AdapterLinear.from_linear(f"{prefix}.attention.self.query_proj", attn.self.query_proj)
+        self.key = AdapterLinear.from_linear(f"{prefix}.attention.self.key_proj", attn.self.key_proj)
+        self.value = AdapterLinear.from_linear(f"{prefix}.attention.self.value_proj", attn.self.value_proj)
+        self.attn_out = AdapterLinear.from_linear(f"{prefix}.attention.output.dense", attn.output.dense)
+        self.attn_norm = _clone_norm(attn.output.LayerNorm)
+        self.ffn_in = AdapterLinear.from_linear(f"{prefix}.intermediate.dense", layer.intermediate.dense)
+        self.ffn_out = AdapterLinear.from_linear(f"{prefix}.output.dense", layer.output.dense)
+        self.ffn_norm = _clone_norm(layer.output.LayerNorm)
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[geometry.hidden_act]
+
+    def project_positions(self, rel_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Base (no-adapter) projections of the normalised position table."""
+        return (
+            F.linear(rel_table, self.query.weight, self.query.bias),
+            F.linear(rel_table, self.key.weight, self.key.bias),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, L, H]
+        key_bias: torch.Tensor,  # [B, 1, 1, L] additive mask
+        pos_q: torch.Tensor,  # [G, W, H] position table through query_proj (+ LoRA)
+        pos_k: torch.Tensor,  # [G, W, H] position table through key_proj (+ LoRA)
+        row_table: Optional[torch.Tensor],  # [B] table index per row, None when G == 1
+        c2p_index: torch.Tensor,  # [L, L]
+        p2c_index: torch.Tensor,  # [L, L]
+        lora: Optional["LoraBatch"],
+    ) -> torch.Tensor:
+        g = self.geometry
+        batch, length, hidden = x.shape
+        heads, dh = g.num_heads, g.head_size
+        flat = x.reshape(batch * length, hidden)
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # [B*L, H] -> [B, h, L, d]
+            return t.view(batch, length, heads, dh).transpose(1, 2)
+
+        q = split(self.query(flat, lora))
+        k = split(self.key(flat, lora))
+        v = split(self.value(flat, lora))
+
+        scale_factor = 1 + int(g.c2p) + int(g.p2c)
+        inv_scale = 1.0 / math.sqrt(dh * scale_factor)
+        bias = key_bias
+        window = pos_q.shape[1]
+
+        def table(t: torch.Tensor) -> torch.Tensor:  # [G, W, H] -> [B or 1, h, W, d]
+            t = t.view(t.shape[0], window, heads, dh).transpose(1, 2)
+            return t if row_table is None or t.shape[0] == 1 else t.index_select(0, row_table)
+
+        if g.c2p:
+            c2p = torch.matmul(q, table(pos_k).transpose(-1, -2))  # [B, h, L, W]
+            c2p = torch.gather(c2p, -1, c2p_index.expand(batch, heads, length, length))
+            bias = bias + c2p * inv_scale
+        if g.p2c:
+            p2c = torch.matmul(k, table(pos_q).transpose(-1, -2))  # [B, h, Lk, W]
+            p2c = torch.gather(p2c, -1, p2c_index.expand(batch, heads, length, length))
+            bias = bias + p2c.transpose(-1, -2) * inv_scale
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=inv_scale)
+        ctx = ctx.transpose(1, 2).reshape(batch * length, hidden)
+
+        attn = F.layer_norm(self.attn_out(ctx, lora) + flat, (hidden,), *self.attn_norm, g.layer_norm_eps)
+        inter = self.act(self.ffn_in(attn, lora))
+        out = F.layer_norm(self.ffn_out(inter, lora) + attn, (hidden,), *self.ffn_norm, g.layer_norm_eps)
+        return out.view(batch, length, hidden)
+
+
+def _clone_norm(norm: nn.LayerNorm) -> nn.ParameterList:
+    return nn.ParameterList(
+        [nn.Parameter(norm.weight.detach().clone(), requires_grad=False),
+         nn.Parameter(norm.bias.detach().clone(), requires_grad=False)]
+    )
+
+
+class Encoder(nn.Module):
+    """Inference-only DeBERTa-v3 encoder built from a transformers ``DebertaV2Model``.
+
+    ``prefix`` is the module path of the backbone inside the GLiNER2 model (``encoder``),
+    so ``AdapterLinear.name`` equals the PEFT key path without ``base_model.model.``.
+    """
+
+    def __init__(self, backbone, prefix: str = "encoder"):
+        super().__init__()
+        geometry = EncoderGeometry.from_config(backbone.config)
+        self.geometry = geometry
+        emb = backbone.embeddings
+        self.word_embeddings = nn.Parameter(emb.word_embeddings.weight.detach().clone(), requires_grad=False)
+        self.embed_norm = _clone_norm(emb.LayerNorm)
+        self.layers = nn.ModuleList(
+            EncoderLayer(f"{prefix}.encoder.layer.{i}", layer, geometry)
+            for i, layer in enumerate(backbone.encoder.layer)
+        )
+        enc = backbone.encoder
+        with torch.no_grad():
+            rel = enc.rel_embeddings.weight[: 2 * geometry.position_buckets]
+            rel_table = enc.LayerNorm(rel)
+            pos_q, pos_k = zip(*(layer.project_positions(rel_table) for layer in self.layers))
+        # Constant per checkpoint: normalised table and its base projections per layer.
+        self.register_buffer("rel_table", rel_table.detach().clone(), persistent=False)
+        self.register_buffer("pos_q", torch.stack(pos_q).detach().clone(), persistent=False)
+        self.register_buffer("pos_k", torch.stack(pos_k).detach().clone(), persistent=False)
+
+    def linears(self) -> dict[str, AdapterLinear]:
+        return {m.name: m for m in self.modules() if isinstance(m, AdapterLinear)}
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, L] int
+        attention_mask: torch.Tensor,  # [B, L] 0/1
+        lora: Optional["LoraBatch"] = None,
+    ) -> torch.Tensor:  # [B, L, H]
+        g = self.geometry
+        batch, length = input_ids.shape
+        dtype = self.word_embeddings.dtype
+        mask = attention_mask.to(dtype)
+        x = F.embedding(input_ids, self.word_embeddings)
+        x = F.layer_norm(x, (g.hidden_size,), *self.embed_norm, g.layer_norm_eps) * mask.unsqueeze(-1)
+
+        lo, hi, c2p_index, p2c_index = _relative_index(
+            length, g.position_buckets, g.max_relative_positions, str(input_ids.device)
+        )
+        window = self.rel_table[lo : hi + 1]
+        key_bias = ((1.0 - mask) * torch.finfo(dtype).min).view(batch, 1, 1, length)
+        row_table = None if lora is None else lora.row_table
+        for i, layer in enumerate(self.layers):
+            pos_q = self.pos_q[i, lo : hi + 1].unsqueeze(0)
+            pos_k = self.pos_k[i, lo : hi + 1].unsqueeze(0)
+            if lora is not None:
+                pos_q = lora.project_table(layer.query.name, window, pos_q)
+                pos_k = lora.project_table(layer.key.name, window, pos_k)
+            x = layer(x, key_bias, pos_q, pos_k, row_table, c2p_index, p2c_index, lora)
+        return x
