@@ -1,0 +1,118 @@
+"""Engine configuration: one typed, frozen object built strictly from Triton's model config.
+
+Every config.pbtxt parameter arrives as a string. Each is parsed on its own; an unknown
+key, a value that does not parse, or an unfilled ``${placeholder}`` stops the model from
+loading with a message that names the key. Nothing falls back to a default silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PLACEHOLDER = re.compile(r"\$\{[^}]*\}")
+
+
+class ConfigError(ValueError):
+    """A config.pbtxt parameter is missing, unknown or malformed."""
+
+
+def _positive_int(key: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ConfigError(f"parameter {key!r}: expected a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise ConfigError(f"parameter {key!r}: expected a positive integer, got {raw!r}")
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(key: str, raw: str) -> str:
+        if raw not in allowed:
+            raise ConfigError(f"parameter {key!r}: expected one of {', '.join(allowed)}; got {raw!r}")
+        return raw
+
+    return parse
+
+
+def _path(key: str, raw: str) -> str:
+    if not raw.strip():
+        raise ConfigError(f"parameter {key!r}: empty path")
+    return raw
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs; README.md has the same table for config.pbtxt users."""
+
+    checkpoint: Path
+    dtype: str = "auto"
+    max_batch_tokens: int = 65536
+    device: str = "cpu"
+
+    # key -> (parser, mandatory, help); the README table is generated from the same facts
+    PARAMETERS = {
+        "checkpoint": (_path, True, "GLiNER2 checkpoint directory (relative paths: from the model's folder)"),
+        "dtype": (_choice("auto", *DTYPES), False, "auto = bfloat16 on GPU, float32 on CPU"),
+        "max_batch_tokens": (_positive_int, False, "token budget of one encoder forward; larger batches are split"),
+    }
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_parameters(
+        cls, parameters: Mapping[str, str], *, model_dir: Optional[Path] = None, device: str = "cpu"
+    ) -> "EngineConfig":
+        unknown = sorted(set(parameters) - set(cls.PARAMETERS))
+        if unknown:
+            raise ConfigError(
+                f"unknown parameter(s) {', '.join(map(repr, unknown))}; known: {', '.join(cls.PARAMETERS)}"
+            )
+        values: dict[str, Any] = {"device": device}
+        for key, (parse, mandatory, _) in cls.PARAMETERS.items():
+            if key not in parameters:
+                if mandatory:
+                    raise ConfigError(f"parameter {key!r} is mandatory")
+                continue
+            raw = parameters[key]
+            if not isinstance(raw, str):
+                raise ConfigError(f"parameter {key!r}: expected a string value, got {type(raw).__name__}")
+            if _PLACEHOLDER.search(raw):
+                raise ConfigError(f"parameter {key!r} holds an unfilled template {raw!r}")
+            values[key] = parse(key, raw)
+        checkpoint = Path(os.path.expanduser(values["checkpoint"]))
+        if not checkpoint.is_absolute() and model_dir is not None:
+            checkpoint = (Path(model_dir) / checkpoint).resolve()
+        values["checkpoint"] = checkpoint
+        if not (checkpoint / "config.json").is_file():
+            raise ConfigError(f"parameter 'checkpoint': {checkpoint} has no config.json (not a GLiNER2 checkpoint)")
+        if values.get("dtype") in ("bfloat16", "float16") and not device.startswith("cuda"):
+            raise ConfigError(f"parameter 'dtype': {values['dtype']} needs a GPU instance; this one runs on {device}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    @classmethod
+    def from_model_config(cls, model_config: str | Mapping, *, model_dir: Optional[Path] = None,
+                          device: str = "cpu") -> "EngineConfig":
+        """Build from Triton's ``args["model_config"]`` (JSON text or its parsed dict)."""
+        if isinstance(model_config, str):
+            model_config = json.loads(model_config)
+        raw = model_config.get("parameters", {}) or {}
+        parameters = {}
+        for key, value in raw.items():
+            if not isinstance(value, Mapping) or "string_value" not in value:
+                raise ConfigError(f"parameter {key!r}: expected {{string_value: ...}}, got {value!r}")
+            parameters[key] = value["string_value"]
+        return cls.from_parameters(parameters, model_dir=model_dir, device=device)

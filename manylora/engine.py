@@ -1,0 +1,204 @@
+"""Engine: requests in, GLiNER2 results out, every request succeeding or failing alone.
+
+The work is split the way serving engines split it, each part testable alone:
+
+* ``prepare`` (pre): validate one request, parse its schema (cached per schema text),
+  turn schema + text into token ids with GLiNER2's own processor.
+* ``forward`` (core): pad a group of prepared requests, run our encoder once for the
+  whole group.
+* ``decode`` (post): GLiNER2's own span/count/classifier heads and decoders on the
+  encoder output, then GLiNER2's own result formatting.
+
+GLiNER2 itself is the reference: pre and post reuse its code, so an answer equals
+``GLiNER2.batch_extract(..., include_confidence=...)`` for the same text, schema and
+threshold; tests check that against gliner2 directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from manylora.client.protocol import Request  # the wire contract's validated request
+from manylora.config import EngineConfig
+from manylora.encoder import Encoder
+
+logger = logging.getLogger(__name__)
+
+# Triton error codes used by the serving layer (pb_utils.TritonError.<CODE>)
+INVALID_ARG = "INVALID_ARG"
+NOT_FOUND = "NOT_FOUND"
+UNAVAILABLE = "UNAVAILABLE"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+INTERNAL = "INTERNAL"
+
+
+class RequestError(Exception):
+    """A per-request failure with the Triton error code it maps to."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.code}, {self.message!r})"
+
+
+@dataclass
+class Prepared:
+    index: int
+    request: Request
+    record: Any  # gliner2.processor.TransformedRecord
+    metadata: dict
+    num_tokens: int
+
+    @property
+    def options(self) -> tuple:
+        r = self.request
+        return (r.threshold, r.include_confidence, r.include_spans)
+
+
+Result = Union[dict, RequestError]
+
+
+def load_gliner2(checkpoint, device: str, dtype: torch.dtype):
+    """GLiNER2 from a local checkpoint directory, on ``device`` in ``dtype``, eval mode."""
+    from gliner2 import GLiNER2
+
+    model = GLiNER2.from_pretrained(str(checkpoint))
+    model.eval()
+    model.processor.change_mode(is_training=False)
+    return model.to(device=device, dtype=dtype)
+
+
+class Engine:
+    """One GLiNER2 checkpoint served with our encoder; see the module docstring."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        model = load_gliner2(config.checkpoint, "cpu", torch.float32)
+        self.encoder = Encoder(model.encoder).to(device=self.device, dtype=self.dtype).eval()
+        # The heads and decoders stay GLiNER2's; the transformers backbone is not needed.
+        model.encoder = None
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.processor = model.processor
+        self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
+
+    # ------------------------------------------------------------------ pre
+    def _parse_schema_uncached(self, schema_json: str) -> tuple[dict, dict]:
+        from gliner2.inference.schema import Schema
+        from pydantic import ValidationError
+
+        try:
+            data = json.loads(schema_json)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(INVALID_ARG, f"SCHEMA is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RequestError(INVALID_ARG, f"SCHEMA must be a JSON object, got {type(data).__name__}")
+        try:
+            schema = Schema.from_dict(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors()
+            )
+            raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {problems}") from None
+        except (ValueError, TypeError) as exc:
+            raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
+        if not any(data.get(k) for k in ("entities", "classifications", "relations", "structures")):
+            raise RequestError(
+                INVALID_ARG, "SCHEMA defines no task: give entities, classifications, relations or structures"
+            )
+        (schema_dict,), (metadata,) = self.model._build_schema_dicts_and_metadata([schema])
+        return schema_dict, metadata
+
+    def prepare(self, index: int, request: Request) -> Prepared:
+        """Validate and tokenize one request; raises RequestError."""
+        if not isinstance(request.text, str) or not request.text.strip():
+            raise RequestError(INVALID_ARG, "TEXT is empty")
+        if request.adapter:
+            raise RequestError(NOT_FOUND, f"unknown adapter {request.adapter!r}: this model serves no adapters")
+        schema_dict, metadata = self._parse_schema(request.schema)
+        try:
+            record = self.processor.transform_record(request.text, schema_dict)
+        except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
+            raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
+        return Prepared(index, request, record, metadata, len(record.input_ids))
+
+    def _chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
+        """Split a group so that rows x padded length stays within the token budget."""
+        budget = self.config.max_batch_tokens
+        chunks: list[list[Prepared]] = []
+        current: list[Prepared] = []
+        for item in sorted(group, key=lambda p: p.num_tokens):
+            if current and (len(current) + 1) * item.num_tokens > budget:
+                chunks.append(current)
+                current = []
+            current.append(item)
+        if current:
+            chunks.append(current)
+        return chunks
+
+    # ------------------------------------------------------------------ core
+    def forward(self, chunk: Sequence[Prepared]):
+        """Pad the chunk and run the encoder once; returns (batch, per-row states)."""
+        batch = self.processor._pad_batch([p.record for p in chunk])
+        batch = batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
+        hidden = self.encoder(batch.input_ids, batch.attention_mask)
+        states = [hidden[row, : p.num_tokens] for row, p in enumerate(chunk)]
+        return batch, states
+
+    # ------------------------------------------------------------------ post
+    def decode(self, chunk: Sequence[Prepared], batch, states) -> list[dict]:
+        threshold, include_confidence, include_spans = chunk[0].options
+        metadata = [p.metadata for p in chunk]
+        raw = self.model._extract_from_batch(
+            batch, threshold, metadata, include_confidence, include_spans, hidden_states=states
+        )
+        return [
+            self.model.format_results(
+                result, include_confidence, meta.get("relation_order", []), meta.get("classification_tasks", [])
+            )
+            for result, meta in zip(raw, metadata)
+        ]
+
+    # ------------------------------------------------------------------ all
+    @torch.inference_mode()
+    def run(self, requests: Sequence[Request]) -> list[Result]:
+        results: list[Optional[Result]] = [None] * len(requests)
+        groups: dict[tuple, list[Prepared]] = defaultdict(list)
+        for index, request in enumerate(requests):
+            try:
+                prepared = self.prepare(index, request)
+            except RequestError as exc:
+                results[index] = exc
+                continue
+            groups[prepared.options].append(prepared)
+        for group in groups.values():
+            for chunk in self._chunks(group):
+                self._run_chunk(chunk, results)
+        assert all(r is not None for r in results), "every request is answered"
+        return results  # type: ignore[return-value]
+
+    def _run_chunk(self, chunk: list[Prepared], results: list[Optional[Result]]) -> None:
+        try:
+            batch, states = self.forward(chunk)
+            for p, out in zip(chunk, self.decode(chunk, batch, states)):
+                results[p.index] = out
+        except Exception as exc:
+            if len(chunk) > 1:
+                # isolate the failing request: the others are still answered
+                logger.warning("batch of %d failed (%s); retrying one by one", len(chunk), exc)
+                for p in chunk:
+                    self._run_chunk([p], results)
+                return
+            logger.exception("request %d failed", chunk[0].index)
+            results[chunk[0].index] = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")

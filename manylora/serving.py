@@ -1,0 +1,101 @@
+"""pb_utils <-> Engine: decode Triton requests, run the engine, answer each request alone.
+
+``model_repository/gliner2/1/model.py`` is a thin shell around ``TritonModelHandler``.
+Everything here takes ``pb_utils`` as an argument, so the decoding and error mapping are
+unit-testable without a server (the end-to-end tests then run the real one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from manylora.client import protocol
+from manylora.client.protocol import Request
+from manylora.engine import INVALID_ARG, Engine, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+def decode_request(get: Callable[[str], Optional[np.ndarray]]) -> Request:
+    """Build a validated Request from a getter of input arrays (None when absent)."""
+    try:
+        return Request.from_arrays({spec.name: get(spec.name) for spec in protocol.INPUTS})
+    except ValueError as exc:
+        raise RequestError(INVALID_ARG, str(exc)) from None
+
+
+def check_model_config(model_config: dict) -> None:
+    """The parsed config.pbtxt must declare exactly the tensors of manylora.client.protocol."""
+    declared = {
+        t["name"]: (t["data_type"], tuple(int(d) for d in t["dims"]), bool(t.get("optional", False)))
+        for t in model_config.get("input", []) + model_config.get("output", [])
+    }
+    expected = {
+        s.name: (s.config_dtype, tuple(s.dims), s.optional) for s in protocol.INPUTS + protocol.OUTPUTS
+    }
+    if declared != expected:
+        raise ValueError(f"config.pbtxt tensors {declared} do not match the protocol {expected}")
+
+
+def instance_device(args: dict) -> str:
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+    return "cpu"
+
+
+class TritonModelHandler:
+    """What model.py's TritonPythonModel delegates to."""
+
+    def __init__(self, args: dict, pb_utils):
+        from manylora.config import EngineConfig
+
+        self.pb_utils = pb_utils
+        model_config = json.loads(args["model_config"])
+        check_model_config(model_config)
+        device = instance_device(args)
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(device)
+        config = EngineConfig.from_model_config(
+            model_config, model_dir=Path(args["model_repository"]), device=device
+        )
+        logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
+        self.engine = Engine(config)
+
+    def _error(self, exc: RequestError):
+        pb = self.pb_utils
+        code = getattr(pb.TritonError, exc.code, pb.TritonError.INTERNAL)
+        return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(exc.message, code))
+
+    def execute(self, requests: list) -> list:
+        pb = self.pb_utils
+        decoded: list = []
+        for request in requests:
+            try:
+                decoded.append(decode_request(lambda name, r=request: _as_numpy(pb, r, name)))
+            except RequestError as exc:
+                decoded.append(exc)
+        valid = [d for d in decoded if isinstance(d, Request)]
+        answers = iter(self.engine.run(valid))
+        responses = []
+        for item in decoded:
+            result = item if isinstance(item, RequestError) else next(answers)
+            if isinstance(result, RequestError):
+                responses.append(self._error(result))
+            else:
+                responses.append(pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))]))
+        return responses
+
+    def finalize(self) -> None:
+        self.engine = None
+
+
+def _as_numpy(pb_utils, request, name: str) -> Optional[np.ndarray]:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()

@@ -1,0 +1,150 @@
+"""End-to-end: the real tritonserver serving model_repository/gliner2 on the tiny checkpoint.
+
+Answers are compared with GLiNER2 itself, over gRPC and HTTP; a dynamic batch with a
+bad request answers the others; config.pbtxt is parsed strictly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from manylora.client import protocol
+from manylora.compare import result_differences
+from manylora.demo import demo_schemas, demo_texts
+
+REPO_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "gliner2"
+BATCH_DELAY_US = 300_000  # long queue delay so concurrent test requests share one dynamic batch
+
+
+def _copy_model(src: Path, dst: Path, checkpoint: Path, extra_parameters: str = "", delay_us: int | None = None):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    config = (dst / "config.pbtxt").read_text()
+    config = re.sub(r'name: "gliner2"', f'name: "{dst.name}"', config, count=1)
+    config = config.replace('string_value: "../../models/demo-tiny"', f'string_value: "{checkpoint}"')
+    if delay_us is not None:
+        config = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}", config)
+    (dst / "config.pbtxt").write_text(config + extra_parameters)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, triton_server_factory, tiny_checkpoint):
+    repo = tmp_path_factory.mktemp("repo")
+    _copy_model(REPO_MODEL, repo / "gliner2", tiny_checkpoint, delay_us=BATCH_DELAY_US)
+    bad = {
+        "gliner2_unknown_key": 'parameters { key: "gpu_slotz" value: { string_value: "4" } }\n',
+        "gliner2_bad_value": 'parameters { key: "max_batch_tokens" value: { string_value: "lots" } }\n',
+        "gliner2_template": 'parameters { key: "dtype" value: { string_value: "${DTYPE}" } }\n',
+    }
+    for name, extra in bad.items():
+        _copy_model(REPO_MODEL, repo / name, tiny_checkpoint, extra_parameters=extra)
+    return triton_server_factory(repo, extra_args=["--model-control-mode=explicit", "--load-model=gliner2"])
+
+
+def _inputs(module, request: protocol.Request):
+    inputs = []
+    for name, array in request.to_arrays().items():
+        spec = protocol.SPECS[name]
+        tensor = module.InferInput(name, list(array.shape), spec.triton_dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _expected(reference_model, request: protocol.Request):
+    from gliner2.inference.schema import Schema
+
+    (result,) = reference_model.batch_extract(
+        [request.text], Schema.from_json(request.schema), threshold=request.threshold,
+        include_confidence=request.include_confidence, include_spans=request.include_spans)
+    return json.loads(json.dumps(result))  # what survives the wire: tuples become lists
+
+
+def _requests(n=6):
+    schemas = demo_schemas()
+    return [protocol.Request(t, json.dumps(schemas[i % len(schemas)]), include_confidence=True)
+            for i, t in enumerate(demo_texts(n, seed=3))]
+
+
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_answers_equal_gliner2(server, reference_model, module):
+    url = server.grpc_url if module is grpcclient else server.http_url
+    client = module.InferenceServerClient(url)
+    for request in _requests(4):
+        response = client.infer("gliner2", _inputs(module, request))
+        got = protocol.parse_result(response.as_numpy(protocol.RESULT))
+        assert not result_differences(got, _expected(reference_model, request))
+
+
+def test_dynamic_batch_with_a_bad_request_answers_the_others(server, reference_model):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    before = client.get_inference_statistics("gliner2").model_stats[0]
+    good = _requests(5)
+    bad = [
+        protocol.Request("Some text.", "{broken json"),
+        protocol.Request("Some text.", json.dumps({"entities": ["x"]}), adapter="no-such-adapter"),
+        protocol.Request("   ", json.dumps({"entities": ["x"]})),
+    ]
+    requests = good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:]
+    answers: dict[int, object] = {}
+
+    def callback(index):
+        return lambda result, error: answers.__setitem__(index, error if error else result)
+
+    for i, request in enumerate(requests):
+        client.async_infer("gliner2", _inputs(grpcclient, request), callback(i))
+    import time
+
+    deadline = time.time() + 60
+    while len(answers) < len(requests) and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(answers) == len(requests), "every request is answered"
+    for i, request in enumerate(requests):
+        answer = answers[i]
+        if request in bad:
+            assert isinstance(answer, InferenceServerException), answer
+            expected_status = "NOT_FOUND" if request.adapter else "INVALID_ARG"
+            assert expected_status in answer.status(), (answer.status(), answer.message())
+        else:
+            assert not isinstance(answer, Exception), answer
+            got = protocol.parse_result(answer.as_numpy(protocol.RESULT))
+            assert not result_differences(got, _expected(reference_model, request))
+    after = client.get_inference_statistics("gliner2").model_stats[0]
+    executions = after.execution_count - before.execution_count
+    inferences = after.inference_count - before.inference_count
+    assert inferences == len(requests) and executions < len(requests), "requests were batched together"
+
+
+@pytest.mark.parametrize("model,message", [
+    ("gliner2_unknown_key", "gpu_slotz"),
+    ("gliner2_bad_value", "max_batch_tokens"),
+    ("gliner2_template", "unfilled template"),
+])
+def test_bad_config_fails_to_load_naming_the_key(server, model, message):
+    client = httpclient.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException, match=re.escape(message)):
+        client.load_model(model)
+    assert not client.is_model_ready(model)
+
+
+def test_missing_input_and_wrong_shape_are_invalid_arg(server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    text = httpclient.InferInput(protocol.TEXT, [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hello"]], dtype=np.object_))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("gliner2", [text])  # SCHEMA missing: Triton itself rejects it
+    assert "SCHEMA" in info.value.message()
+    request = protocol.Request("Not UTF-8 below.", json.dumps({"entities": ["x"]}))
+    inputs = _inputs(httpclient, request)
+    inputs[0].set_data_from_numpy(np.array([[b"\xff\xfe bad bytes"]], dtype=np.object_))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("gliner2", inputs)
+    assert "UTF-8" in info.value.message()

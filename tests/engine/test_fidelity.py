@@ -1,0 +1,144 @@
+"""The engine answers exactly what GLiNER2.batch_extract answers (structure exact, scores 1e-4).
+
+GLiNER2 itself is the reference; nothing here compares against our own earlier outputs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from manylora.compare import result_differences
+from manylora.demo import demo_schemas, demo_texts
+from manylora.engine import Request
+
+EDGE_TEXTS = [
+    "Apple",
+    "Tim Cook leads Apple in Cupertino",  # no final period: GLiNER2 adds one
+    "Did Marie Curie work in Paris?",
+    "¡Hola! José García moved from São Paulo to Zürich — in 2019 — with €1,200.",
+    "IBM, Microsoft and Google (Alphabet) met on 12/03/2024 at 9:30am; no deal.",
+    "   Leading and trailing spaces around Berlin and Munich.   ",
+    "UPPER CASE TEXT ABOUT NASA AND THE EUROPEAN SPACE AGENCY!",
+    "line one about Oslo\nline two about Bergen\ttabbed.",
+]
+
+
+def _cases():
+    texts = demo_texts(48, seed=7) + EDGE_TEXTS + demo_texts(2, seed=8, min_words=250, max_words=300)
+    schemas = demo_schemas()
+    return [(text, schemas[i % len(schemas)]) for i, text in enumerate(texts)]
+
+
+def _reference(model, cases, **options):
+    from gliner2.inference.schema import Schema
+
+    texts = [t for t, _ in cases]
+    schemas = [Schema.from_dict(s) for _, s in cases]
+    return model.batch_extract(texts, schemas, batch_size=8, **options)
+
+
+def _assert_same(got, expected, cases):
+    failures = []
+    for (text, schema), g, e in zip(cases, got, expected):
+        diffs = result_differences(g, e, atol=1e-4)
+        if diffs:
+            failures.append(f"text={text[:60]!r} schema={json.dumps(schema)[:80]}: {diffs[:3]}")
+    assert not failures, f"{len(failures)} of {len(cases)} differ:\n" + "\n".join(failures[:10])
+
+
+def test_cases_cover_all_task_kinds():
+    kinds = set()
+    for _, schema in _cases():
+        kinds |= {k for k in ("entities", "classifications", "relations", "structures") if schema.get(k)}
+        if isinstance(schema.get("entities"), dict):
+            kinds.add("entity descriptions")
+        for c in schema.get("classifications", []):
+            kinds.add("multi_label" if c.get("multi_label") else "single_label")
+        for s in (schema.get("structures") or {}).values():
+            if any(f.get("choices") for f in s["fields"]):
+                kinds.add("choices")
+    assert {"entities", "entity descriptions", "classifications", "single_label", "multi_label",
+            "relations", "structures", "choices"} <= kinds
+    assert len(_cases()) >= 50
+
+
+def test_mixed_batch_equals_gliner2(tiny_engine, reference_model):
+    cases = _cases()
+    expected = _reference(reference_model, cases, include_confidence=True)
+    got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+    _assert_same(got, expected, cases)
+    # the calibrated demo heads must make this comparison meaningful: spans are found
+    assert sum(json.dumps(r).count('"confidence"') for r in got) > len(cases)
+
+
+@pytest.mark.parametrize("threshold,include_spans", [(0.3, True), (0.8, False)])
+def test_threshold_and_spans_options(tiny_engine, reference_model, threshold, include_spans):
+    cases = _cases()[:20]
+    expected = _reference(reference_model, cases, threshold=threshold, include_confidence=True,
+                          include_spans=include_spans)
+    got = tiny_engine.run([
+        Request(t, json.dumps(s), threshold=threshold, include_confidence=True, include_spans=include_spans)
+        for t, s in cases
+    ])
+    _assert_same(got, expected, cases)
+
+
+def test_requests_with_different_options_in_one_call(tiny_engine, reference_model):
+    cases = _cases()[:6]
+    requests = [Request(t, json.dumps(s), threshold=0.3 + 0.1 * i, include_confidence=bool(i % 2))
+                for i, (t, s) in enumerate(cases)]
+    got = tiny_engine.run(requests)
+    for request, case, g in zip(requests, cases, got):
+        (e,) = _reference(reference_model, [case], threshold=request.threshold,
+                          include_confidence=request.include_confidence)
+        assert not result_differences(g, e), (case, g, e)
+
+
+def test_token_budget_splits_batches_without_changing_answers(tiny_checkpoint, reference_model):
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "max_batch_tokens": "300"}))
+    cases = _cases()[:12]
+    chunks = engine._chunks([engine.prepare(i, Request(t, json.dumps(s))) for i, (t, s) in enumerate(cases)])
+    assert len(chunks) > 1 and all(len(c) * max(p.num_tokens for p in c) <= 300 or len(c) == 1 for c in chunks)
+    got = engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+    _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
+
+
+def test_encoder_states_equal_transformers_on_checkpoint(tiny_engine, reference_model, tiny_checkpoint):
+    from gliner2.inference.schema import Schema
+
+    cases = _cases()[:8]
+    batch = reference_model.processor.collate_fn_inference(
+        [(t, Schema.from_dict(s).build()) for t, s in cases])
+    with torch.no_grad():
+        expected = reference_model.encoder(input_ids=batch.input_ids,
+                                           attention_mask=batch.attention_mask).last_hidden_state
+    got = tiny_engine.encoder(batch.input_ids, batch.attention_mask)
+    mask = batch.attention_mask.bool()
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("request_kwargs,message", [
+    (dict(text="", schema='{"entities": ["a"]}'), "TEXT is empty"),
+    (dict(text="   \n", schema='{"entities": ["a"]}'), "TEXT is empty"),
+    (dict(text="x", schema="{not json"), "not valid JSON"),
+    (dict(text="x", schema="[1, 2]"), "must be a JSON object"),
+    (dict(text="x", schema="{}"), "defines no task"),
+    (dict(text="x", schema='{"entities": []}'), "cannot be empty"),
+    (dict(text="x", schema='{"entitys": ["a"]}'), "not a valid GLiNER2 schema"),
+    (dict(text="x", schema='{"classifications": [{"task": "t", "labels": ["only"]}]}'), "labels"),
+    (dict(text="x", schema='{"entities": ["a"]}', adapter="nope"), "unknown adapter"),
+])
+def test_bad_requests_fail_alone(tiny_engine, reference_model, request_kwargs, message):
+    good = Request("Ada Lovelace met Charles Babbage in London.", json.dumps({"entities": ["person", "city"]}))
+    bad = Request(**request_kwargs)
+    got = tiny_engine.run([good, bad, good])
+    assert getattr(got[1], "code", None) in ("INVALID_ARG", "NOT_FOUND")
+    assert message in got[1].message
+    (expected,) = _reference(reference_model, [(good.text, json.loads(good.schema))])
+    assert not result_differences(got[0], expected) and not result_differences(got[2], expected)
