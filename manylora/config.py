@@ -54,16 +54,33 @@ class EngineConfig:
     """What the engine needs; README.md has the same table for config.pbtxt users."""
 
     checkpoint: Path
+    adapter_dir: Optional[Path] = None
+    max_gpu_adapters: int = 32
+    max_cpu_adapters: int = 128
+    max_lora_rank: int = 64
     dtype: str = "auto"
     max_batch_tokens: int = 65536
+    kernel_backend: str = "auto"
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
     PARAMETERS = {
         "checkpoint": (_path, True, "GLiNER2 checkpoint directory (relative paths: from the model's folder)"),
+        "adapter_dir": (_path, False, "folder of PEFT LoRA adapter folders; ADAPTER_ID names a subfolder"),
+        "max_gpu_adapters": (_positive_int, False, "adapters resident in GPU slots (default 32)"),
+        "max_cpu_adapters": (_positive_int, False, "parsed adapters kept in host memory (default 128; >= GPU slots)"),
+        "max_lora_rank": (_positive_int, False, "largest adapter rank accepted; GPU slots are sized for it (default 64)"),
         "dtype": (_choice("auto", *DTYPES), False, "auto = bfloat16 on GPU, float32 on CPU"),
         "max_batch_tokens": (_positive_int, False, "token budget of one encoder forward; larger batches are split"),
+        "kernel_backend": (_choice("auto", "triton", "torch"), False,
+                           "SGMV kernels: auto = triton on GPU, torch (float32 reference) on CPU"),
     }
+
+    @property
+    def backend(self) -> str:
+        if self.kernel_backend == "auto":
+            return "triton" if self.device.startswith("cuda") else "torch"
+        return self.kernel_backend
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,10 +109,17 @@ class EngineConfig:
             if _PLACEHOLDER.search(raw):
                 raise ConfigError(f"parameter {key!r} holds an unfilled template {raw!r}")
             values[key] = parse(key, raw)
-        checkpoint = Path(os.path.expanduser(values["checkpoint"]))
-        if not checkpoint.is_absolute() and model_dir is not None:
-            checkpoint = (Path(model_dir) / checkpoint).resolve()
-        values["checkpoint"] = checkpoint
+        for key in ("checkpoint", "adapter_dir"):
+            if key in values:
+                path = Path(os.path.expanduser(values[key]))
+                if not path.is_absolute() and model_dir is not None:
+                    path = (Path(model_dir) / path).resolve()
+                values[key] = path
+        checkpoint = values["checkpoint"]
+        if "adapter_dir" in values and not values["adapter_dir"].is_dir():
+            raise ConfigError(f"parameter 'adapter_dir': {values['adapter_dir']} is not a directory")
+        if values.get("max_cpu_adapters", 128) < values.get("max_gpu_adapters", 32):
+            raise ConfigError("parameter 'max_cpu_adapters' must be >= 'max_gpu_adapters'")
         if not (checkpoint / "config.json").is_file():
             raise ConfigError(f"parameter 'checkpoint': {checkpoint} has no config.json (not a GLiNER2 checkpoint)")
         if values.get("dtype") in ("bfloat16", "float16") and not device.startswith("cuda"):

@@ -28,6 +28,11 @@ import torch
 from manylora.client.protocol import Request  # the wire contract's validated request
 from manylora.config import EngineConfig
 from manylora.encoder import Encoder
+from manylora.kernels import SgmvMetaBuilder
+from manylora.lora.adapter import AdapterError, LoraAdapter
+from manylora.lora.batch import LoraBatch
+from manylora.lora.heads import HeadLoras
+from manylora.lora.store import AdapterStore, plan_waves
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class Prepared:
     record: Any  # gliner2.processor.TransformedRecord
     metadata: dict
     num_tokens: int
+    adapter: Optional[LoraAdapter] = None
 
     @property
     def options(self) -> tuple:
@@ -89,8 +95,17 @@ class Engine:
         self.encoder = Encoder(model.encoder).to(device=self.device, dtype=self.dtype).eval()
         # The heads and decoders stay GLiNER2's; the transformers backbone is not needed.
         model.encoder = None
+        self.heads = HeadLoras(model)
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.processor = model.processor
+        shapes = {n: (m.in_features, m.out_features) for n, m in self.encoder.linears().items()}
+        shapes.update(self.heads.shapes())
+        self.store = AdapterStore(
+            config.adapter_dir, shapes, max_rank=config.max_lora_rank, gpu_slots=config.max_gpu_adapters,
+            host_slots=config.max_cpu_adapters, device=self.device, dtype=self.dtype,
+        )
+        self.encoder_targets = set(self.encoder.linears())
+        self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
         self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
 
     # ------------------------------------------------------------------ pre
@@ -124,17 +139,33 @@ class Engine:
         """Validate and tokenize one request; raises RequestError."""
         if not isinstance(request.text, str) or not request.text.strip():
             raise RequestError(INVALID_ARG, "TEXT is empty")
+        adapter = None
         if request.adapter:
-            raise RequestError(NOT_FOUND, f"unknown adapter {request.adapter!r}: this model serves no adapters")
+            try:
+                adapter = self.store.get(request.adapter)
+            except AdapterError as exc:
+                raise RequestError(exc.code, exc.message) from None
         schema_dict, metadata = self._parse_schema(request.schema)
         try:
             record = self.processor.transform_record(request.text, schema_dict)
         except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
             raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
-        return Prepared(index, request, record, metadata, len(record.input_ids))
+        return Prepared(index, request, record, metadata, len(record.input_ids), adapter)
 
     def _chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
-        """Split a group so that rows x padded length stays within the token budget."""
+        """Waves of at most ``max_gpu_adapters`` distinct adapters, each split so that
+        rows x padded length stays within the token budget."""
+        waves = plan_waves((p.request.adapter for p in group), self.config.max_gpu_adapters)
+        if len(waves) == 1:
+            return self._budget_chunks(group)
+        base = [p for p in group if not p.request.adapter]
+        chunks = []
+        for i, wave in enumerate(waves):
+            members = [p for p in group if p.request.adapter in wave] + (base if i == 0 else [])
+            chunks.extend(self._budget_chunks(members))
+        return chunks
+
+    def _budget_chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
         budget = self.config.max_batch_tokens
         chunks: list[list[Prepared]] = []
         current: list[Prepared] = []
@@ -148,16 +179,52 @@ class Engine:
         return chunks
 
     # ------------------------------------------------------------------ core
-    def forward(self, chunk: Sequence[Prepared]):
-        """Pad the chunk and run the encoder once; returns (batch, per-row states)."""
+    def forward(self, chunk: list[Prepared]):
+        """Order rows by GPU slot, pad, run the encoder once with every row's adapter.
+
+        Reorders ``chunk`` in place; returns (batch, per-row states, slot per row).
+        """
+        slots = self.store.acquire(p.adapter for p in chunk if p.adapter is not None)
+        chunk.sort(key=lambda p: slots[p.adapter.name] if p.adapter is not None else -1)
+        slot_per_row = [slots[p.adapter.name] if p.adapter is not None else -1 for p in chunk]
         batch = self.processor._pad_batch([p.record for p in chunk])
         batch = batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
-        hidden = self.encoder(batch.input_ids, batch.attention_mask)
+        lora = None
+        targets = {name for p in chunk if p.adapter is not None for name in p.adapter.modules}
+        targets &= self.encoder_targets
+        if targets:
+            lora = LoraBatch(self.store, self.meta_builder, slot_per_row, batch.input_ids.shape[1], targets,
+                             self.config.backend)
+        hidden = self.encoder(batch.input_ids, batch.attention_mask, lora)
         states = [hidden[row, : p.num_tokens] for row, p in enumerate(chunk)]
-        return batch, states
+        return batch, states, slot_per_row
 
     # ------------------------------------------------------------------ post
-    def decode(self, chunk: Sequence[Prepared], batch, states) -> list[dict]:
+    def decode(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[dict]:
+        """GLiNER2's heads and decoders; rows whose adapter adapts a head run as one group
+        per adapter with that adapter's head LoRA active."""
+        head_names = set(self.heads.linears)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for row, (p, slot) in enumerate(zip(chunk, slot_per_row)):
+            has_heads = p.adapter is not None and not head_names.isdisjoint(p.adapter.modules)
+            groups[slot if has_heads else -1].append(row)
+        if len(groups) == 1 and -1 in groups:
+            return self._decode_rows(chunk, batch, states)
+        out: list = [None] * len(chunk)
+        for slot, rows in groups.items():
+            sub = [chunk[r] for r in rows]
+            sub_batch = self.processor._pad_batch([p.record for p in sub])
+            sub_batch = sub_batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
+            if slot >= 0:
+                with self.heads.active(self.store, slot):
+                    results = self._decode_rows(sub, sub_batch, [states[r] for r in rows])
+            else:
+                results = self._decode_rows(sub, sub_batch, [states[r] for r in rows])
+            for r, result in zip(rows, results):
+                out[r] = result
+        return out
+
+    def _decode_rows(self, chunk: Sequence[Prepared], batch, states) -> list[dict]:
         threshold, include_confidence, include_spans = chunk[0].options
         metadata = [p.metadata for p in chunk]
         raw = self.model._extract_from_batch(
@@ -190,8 +257,8 @@ class Engine:
 
     def _run_chunk(self, chunk: list[Prepared], results: list[Optional[Result]]) -> None:
         try:
-            batch, states = self.forward(chunk)
-            for p, out in zip(chunk, self.decode(chunk, batch, states)):
+            batch, states, slot_per_row = self.forward(chunk)
+            for p, out in zip(chunk, self.decode(chunk, batch, states, slot_per_row)):
                 results[p.index] = out
         except Exception as exc:
             if len(chunk) > 1:
