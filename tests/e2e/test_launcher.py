@@ -1,0 +1,118 @@
+"""The tritonserver launcher: a real server, both protocols, clean stops, clear failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from manylora.tritonserver import TritonServer, free_ports
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TEXTS = ["hello", "héllo wörld ✓", ""]
+
+
+def batch(texts: list[str]) -> np.ndarray:
+    return np.array([[t.encode()] for t in texts], dtype=np.object_)
+
+
+def infer_http(url: str, texts: list[str]) -> httpclient.InferResult:
+    client = httpclient.InferenceServerClient(url)
+    try:
+        text = httpclient.InferInput("TEXT", [len(texts), 1], "BYTES")
+        text.set_data_from_numpy(batch(texts))
+        return client.infer("echo", [text])
+    finally:
+        client.close()
+
+
+def infer_grpc(url: str, texts: list[str]) -> grpcclient.InferResult:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        text = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
+        text.set_data_from_numpy(batch(texts))
+        return client.infer("echo", [text])
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("infer", [infer_http, infer_grpc], ids=["http", "grpc"])
+def test_echo_round_trip(echo_server: TritonServer, infer) -> None:
+    url = echo_server.http_url if infer is infer_http else echo_server.grpc_url
+    result = infer(url, TEXTS)
+    assert [row[0].decode() for row in result.as_numpy("ECHO")] == TEXTS
+
+
+def test_stub_imports_manylora_from_this_checkout(echo_server: TritonServer) -> None:
+    info = json.loads(infer_http(echo_server.http_url, ["x"]).as_numpy("INFO")[0, 0])
+    assert Path(info["manylora"]).resolve().is_relative_to(REPO_ROOT)
+    # manylora.kernels maps to the top-level kernels/ folder (package-dir in pyproject).
+    assert Path(info["manylora.kernels"]).resolve() == REPO_ROOT / "kernels" / "__init__.py"
+    assert Path(info["prefix"]).resolve() == Path(sys.prefix).resolve()
+    assert info["numpy"].startswith("1.")  # numpy 2 breaks the 2.51 stub (DESIGN.md §8)
+    assert info["tag"] == "committed"
+
+
+def test_metrics_endpoint(echo_server: TritonServer) -> None:
+    infer_http(echo_server.http_url, ["x"])
+    with urllib.request.urlopen(echo_server.metrics_url, timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'nv_inference_request_success{model="echo",version="1"}' in metrics
+
+
+def test_context_manager_stops_cleanly(tmp_path: Path) -> None:
+    with TritonServer(FIXTURES / "echo_repo", log_file=tmp_path / "server.log") as server:
+        assert server.running
+        result = infer_grpc(server.grpc_url, ["bye"])
+        assert result.as_numpy("ECHO")[0, 0] == b"bye"
+    assert server.process is not None and server.process.returncode == 0
+    assert not server.running
+    assert "successfully unloaded 'echo'" in server.log_path.read_text()
+
+
+def test_failed_start_reports_server_log(tmp_path: Path) -> None:
+    broken = tmp_path / "repo" / "broken" / "1"
+    broken.mkdir(parents=True)
+    (broken / "model.py").write_text("raise ImportError('broken on purpose')\n")
+    (broken.parent / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n')
+    server = TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log")
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        server.start(timeout=60)
+    assert not server.running
+
+
+def test_cli_runs_in_foreground_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    http_port, grpc_port, metrics_port = free_ports(3)
+    log = tmp_path / "server.log"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "manylora.tritonserver",
+         "--model-repository", str(FIXTURES / "echo_repo"),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+         "--metrics-port", str(metrics_port), "--log-file", str(log),
+         "--parameter", "echo:tag=from-cli", "--", "--log-verbose=1"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert cli.stdout is not None
+        banner = [cli.stdout.readline() for _ in range(4)]
+        assert banner[0].startswith("tritonserver is ready"), banner
+        assert f"http://127.0.0.1:{http_port}" in banner[1]
+        assert f"127.0.0.1:{grpc_port}" in banner[2]
+        assert f"http://127.0.0.1:{metrics_port}/metrics" in banner[3]
+        assert infer_http(f"127.0.0.1:{http_port}", ["cli"]).as_numpy("ECHO")[0, 0] == b"cli"
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(timeout=60) == 0
+    finally:
+        if cli.poll() is None:
+            os.kill(cli.pid, signal.SIGKILL)
+            cli.wait()
