@@ -1,0 +1,106 @@
+"""SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update.
+
+Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
+
+    v = shrink(x, lora_a, meta, v)                     # v[t] = x[t] @ A[slot(t)]ᵀ
+    expand(v, lora_b, scales, meta, y)                 # y[t] += scale · v[t] @ B[slot(t)]ᵀ
+    lora_apply(x, y, lora_a, lora_b, scales, meta)     # both, with a scratch v
+
+Backends: "triton" (the kernels in sgmv_shrink.py / sgmv_expand.py; CUDA tensors, or CPU
+tensors under TRITON_INTERPRET=1) and "torch" (reference.py: float32, one matmul per
+segment; the CPU serving path). Triton is imported only when the "triton" backend runs,
+so the torch backend works where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_sgmv_meta
+from .reference import TOLERANCES, sgmv_expand_ref, sgmv_shrink_ref
+
+BACKENDS = ("triton", "torch")
+
+__all__ = [
+    "BACKENDS",
+    "BLOCK_M_CHOICES",
+    "TOLERANCES",
+    "SgmvMeta",
+    "SgmvMetaBuilder",
+    "SgmvTiles",
+    "build_sgmv_meta",
+    "default_backend",
+    "expand",
+    "lora_apply",
+    "sgmv_expand_ref",
+    "sgmv_shrink_ref",
+    "shrink",
+]
+
+
+def default_backend(device: torch.device | str) -> str:
+    """"triton" on CUDA, "torch" elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def _check_backend(backend: str) -> None:
+    assert backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}"
+
+
+def shrink(
+    x: torch.Tensor,  # [T, H_in]
+    lora_a: torch.Tensor,  # [num_slots, R_max, H_in]
+    meta: SgmvMeta,
+    v: torch.Tensor,  # [T, >= R_max], written in place
+    ranks: torch.Tensor | None = None,  # int32 [num_slots]
+    backend: str = "triton",
+) -> torch.Tensor:
+    """v[t, :rank] = x[t] @ lora_a[slot(t), :rank]ᵀ; slot -1 rows untouched. See sgmv_shrink."""
+    _check_backend(backend)
+    if backend == "torch":
+        return sgmv_shrink_ref(x, lora_a, meta, v, ranks)
+    from .sgmv_shrink import sgmv_shrink
+
+    return sgmv_shrink(x, lora_a, meta, v, ranks)
+
+
+def expand(
+    v: torch.Tensor,  # [T, >= R_max]
+    lora_b: torch.Tensor,  # [num_slots, H_out, R_max]
+    scales: torch.Tensor,  # fp32 [num_slots]
+    meta: SgmvMeta,
+    y: torch.Tensor,  # [T, >= y_offset + H_out], updated in place
+    ranks: torch.Tensor | None = None,  # int32 [num_slots]
+    y_offset: int = 0,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """y[t, y_offset:+H_out] += scales[slot] · v[t, :rank] @ lora_b[slot, :, :rank]ᵀ; slot -1 rows untouched."""
+    _check_backend(backend)
+    if backend == "torch":
+        return sgmv_expand_ref(v, lora_b, scales, meta, y, ranks, y_offset)
+    from .sgmv_expand import sgmv_expand
+
+    return sgmv_expand(v, lora_b, scales, meta, y, ranks, y_offset)
+
+
+def lora_apply(
+    x: torch.Tensor,  # [T, H_in]
+    y: torch.Tensor,  # [T, >= y_offset + H_out], the base layer's output; updated in place
+    lora_a: torch.Tensor,  # [num_slots, R_max, H_in]
+    lora_b: torch.Tensor,  # [num_slots, H_out, R_max]
+    scales: torch.Tensor,  # fp32 [num_slots]
+    meta: SgmvMeta,
+    backend: str = "triton",
+    ranks: torch.Tensor | None = None,  # int32 [num_slots]
+    y_offset: int = 0,
+    v: torch.Tensor | None = None,  # scratch [T, >= R_max]; fp32 [T, R_max] is allocated if None
+) -> torch.Tensor:
+    """Semantics:
+        for each token t with slot s = slot(t) >= 0:
+            y[t, y_offset : y_offset + H_out] += scales[s] * (x[t] @ lora_a[s]ᵀ) @ lora_b[s]ᵀ
+        Rows of slot -1 are left untouched. Mutates y (and the scratch v); returns y.
+    """
+    if v is None:
+        v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    shrink(x, lora_a, meta, v, ranks, backend)
+    return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend)

@@ -1,0 +1,85 @@
+"""Kernel launch configs as data: per-GPU JSON tables under configs/, bucketed by size.
+
+A table maps each op to entries keyed "t{T}_h{H}_r{R}":
+  T  token bucket: the smallest of TOKEN_BUCKETS >= the batch's tokens (the last one above)
+  H  the op's hidden size (H_in for shrink, H_out for expand), exact, or "*"
+  R  the rank tile BLOCK_R = max(16, next power of two >= max rank), or "*"
+Lookup tries (T, H, R), (T, H, *), (T, *, R), (T, *, *); every table has a (T, *, *)
+entry for every token bucket (a test checks it), so a lookup never fails and dynamic
+batch sizes never trigger tuning. Tables are chosen by torch.cuda.get_device_name()
+with spaces replaced by "_" ("NVIDIA H200" -> NVIDIA_H200.json), else default.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 32768)
+REQUIRED_KEYS = {
+    "sgmv_shrink": {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"},
+    "sgmv_expand": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
+}
+
+
+def token_bucket(num_tokens: int) -> int:
+    for bucket in TOKEN_BUCKETS:
+        if num_tokens <= bucket:
+            return bucket
+    return TOKEN_BUCKETS[-1]
+
+
+def rank_block(max_rank: int) -> int:
+    """Rank tile: tl.dot needs every block dimension >= 16."""
+    return max(16, 1 << (max_rank - 1).bit_length())
+
+
+def device_table_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "default"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(name: str) -> dict:
+    path = CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+        path = CONFIG_DIR / "default.json"
+    with open(path) as f:
+        table = json.load(f)
+    for op, keys in REQUIRED_KEYS.items():
+        assert op in table, f"{path.name}: no entries for {op}"
+        for key, config in table[op].items():
+            missing = keys - config.keys()
+            assert not missing, f"{path.name}: {op}[{key}] lacks {sorted(missing)}"
+        for bucket in TOKEN_BUCKETS:
+            assert f"t{bucket}_h*_r*" in table[op], f"{path.name}: {op} lacks t{bucket}_h*_r*"
+    return table
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int) -> tuple:
+    entries = load_table(table_name)[op]
+    for h, r in ((hidden, block_r), (hidden, "*"), ("*", block_r), ("*", "*")):
+        config = entries.get(f"t{bucket}_h{h}_r{r}")
+        if config is not None:
+            return tuple(sorted(config.items()))
+    raise AssertionError(f"unreachable: {table_name} has no t{bucket}_h*_r* for {op}")
+
+
+def get_config(op: str, device: torch.device, num_tokens: int, hidden: int, block_r: int) -> dict:
+    """The launch config for one call (cached per bucket; the dict is a fresh copy)."""
+    return dict(_lookup(device_table_name(device), op, token_bucket(num_tokens), hidden, block_r))
+
+
+def all_configs(op: str) -> list[dict]:
+    """Every distinct config of `op` across all tables (tests force each one)."""
+    seen = {}
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        for config in load_table(path.stem)[op].values():
+            seen[tuple(sorted(config.items()))] = config
+    return [dict(c) for c in seen]

@@ -1,0 +1,81 @@
+"""Float32 torch reference for SGMV shrink and expand; also the CPU serving path.
+
+Each segment is one matmul on a slice of contiguous tokens (no per-token gathers), so
+the reference is as fast on CPU as the matmuls themselves. Arithmetic is float32
+whatever the storage dtype; results are rounded once into the output's dtype. It reads
+the segment list on the host (one device sync on GPU): fine for tests and the CPU path,
+not for the GPU hot path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .meta import SgmvMeta
+
+# One tolerance policy for every kernel test and benchmark check: (atol, rtol) against
+# this reference, for data of unit scale (x, v, y ~ N(0, 1)). bf16 keeps 8 mantissa
+# bits (rounding 2^-9 relative, and y is rounded once more on store), fp16 11, fp32
+# is IEEE fp32 with a different summation order.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+
+
+def _slot_rank(ranks: torch.Tensor | None, slot: int, r_max: int) -> int:
+    return r_max if ranks is None else min(int(ranks[slot]), r_max)
+
+
+def sgmv_shrink_ref(
+    x: torch.Tensor,  # [T, H_in]
+    lora_a: torch.Tensor,  # [num_slots, R_max, H_in]
+    meta: SgmvMeta,
+    v: torch.Tensor,  # [T, >= R_max], written in place
+    ranks: torch.Tensor | None = None,  # int [num_slots]
+) -> torch.Tensor:
+    """Semantics (same as sgmv_shrink):
+        for each token t with slot s = slot(t) >= 0, r = rank(s):
+            v[t, :r] = x[t, :] @ lora_a[s, :r, :]ᵀ      [H_in] x [H_in, r] -> [r]
+            v[t, r:R_max] = 0
+        rows of slot -1 are left untouched.
+    """
+    r_max = lora_a.shape[1]
+    ranks_host = None if ranks is None else ranks.tolist()
+    for start, end, slot in meta.segments():
+        if slot < 0:
+            continue
+        rank = _slot_rank(ranks_host, slot, r_max)
+        out = x[start:end].float() @ lora_a[slot, :rank].float().t()
+        v[start:end, :rank] = out.to(v.dtype)
+        v[start:end, rank:r_max] = 0
+    return v
+
+
+def sgmv_expand_ref(
+    v: torch.Tensor,  # [T, >= R_max]
+    lora_b: torch.Tensor,  # [num_slots, H_out, R_max]
+    scales: torch.Tensor,  # fp32 [num_slots]
+    meta: SgmvMeta,
+    y: torch.Tensor,  # [T, >= y_offset + H_out], updated in place
+    ranks: torch.Tensor | None = None,  # int [num_slots]
+    y_offset: int = 0,
+) -> torch.Tensor:
+    """Semantics (same as sgmv_expand):
+        for each token t with slot s = slot(t) >= 0, r = rank(s):
+            y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
+        rows of slot -1 are left untouched.
+    """
+    h_out, r_max = lora_b.shape[1], lora_b.shape[2]
+    ranks_host = None if ranks is None else ranks.tolist()
+    scales_host = scales.tolist()
+    y_cols = y[:, y_offset : y_offset + h_out]
+    for start, end, slot in meta.segments():
+        if slot < 0:
+            continue
+        rank = _slot_rank(ranks_host, slot, r_max)
+        delta = v[start:end, :rank].float() @ lora_b[slot, :, :rank].float().t()
+        y_rows = y_cols[start:end]
+        y_rows.copy_((y_rows.float() + scales_host[slot] * delta).to(y.dtype))
+    return y

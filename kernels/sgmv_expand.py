@@ -1,0 +1,174 @@
+"""SGMV expand: add each token's own adapter update back to the layer output (rank -> hidden).
+
+Computes y[t] += scale(slot(t)) * v[t] @ B[slot(t)]ᵀ in place, for a batch whose tokens
+are grouped by adapter (punica's SGMV, Chen et al. 2023). The grid is (tiles, H_out /
+BLOCK_N): each program takes BLOCK_M tokens of one segment (meta.py) and BLOCK_N output
+columns, does one tensor-core dot over the rank (K = BLOCK_R), and read-modify-writes
+its y tile once. y traffic (read + write) dominates, so the kernel is bandwidth-bound;
+the B slice comes from L2 after an adapter's first tile.
+
+v may be fp32 (recommended: the shrink result is not rounded twice) or the weights'
+dtype; it is cast to B's dtype for the dot, whose accumulator is fp32. The update is
+added to y in fp32 and rounded once on store.
+
+y may be a column slice of a wider output (fused q/k/v): pass the wide y and y_offset,
+or a strided view; each row of the slice must be contiguous.
+
+Mixed ranks: with `ranks` given, rank columns r >= rank(slot) of v and B are masked out
+of the loads (no bandwidth spent on padding). BLOCK_R is max(16, pow2 >= max rank)
+because tl.dot needs K >= 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch_config import get_config, rank_block
+from .meta import SgmvMeta
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    # pointers
+    v_ptr,  # [T, >= R_max]
+    b_ptr,  # [num_slots, H_out, R_max]
+    y_ptr,  # [T, H_out] (a column slice of the caller's y), updated in place
+    scales_ptr,  # fp32 [num_slots]
+    ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
+    tile_slot_ptr,  # int32 [tile_cap], meta.py
+    tile_start_ptr,  # int32 [tile_cap]
+    tile_end_ptr,  # int32 [tile_cap]
+    num_tiles_ptr,  # int32 [1]
+    # sizes
+    h_out,
+    rank_cap,  # min(R_max, meta.max_rank): rank columns at or past it are never read
+    # strides (elements)
+    stride_v_t,
+    stride_v_r,
+    stride_b_slot,
+    stride_b_h,
+    stride_b_r,
+    stride_y_t,
+    stride_y_h,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
+    BLOCK_N: tl.constexpr,  # output columns per program
+    BLOCK_R: tl.constexpr,  # rank tile (the dot's K), >= 16
+    EVEN_N: tl.constexpr,  # H_out % BLOCK_N == 0: no mask on the output columns
+    HAS_RANKS: tl.constexpr,  # mask rank columns r >= ranks[slot]
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights, else "tf32" (ignored for 16-bit)
+    DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the CPU interpreter multiplies bf16 as raw bits
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < h_out
+    num_tiles = tl.load(num_tiles_ptr)
+    # Grid-stride loop over tiles on axis 0 (see sgmv_shrink).
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+        tokens = tl.load(tile_start_ptr + tile) + offs_m
+        mask_m = tokens < tl.load(tile_end_ptr + tile)
+        rank = rank_cap
+        if HAS_RANKS:
+            rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
+        mask_r = offs_r < rank
+        scale = tl.load(scales_ptr + slot)
+
+        rows = tokens.to(tl.int64)[:, None]
+        v_tile = tl.load(
+            v_ptr + rows * stride_v_t + offs_r[None, :] * stride_v_r,
+            mask=mask_m[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+        b_ptrs = b_ptr + slot * stride_b_slot + offs_n[:, None] * stride_b_h + offs_r[None, :] * stride_b_r
+        if EVEN_N:
+            b_tile = tl.load(b_ptrs, mask=mask_r[None, :], other=0.0)
+        else:
+            b_tile = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        v_tile = v_tile.to(b_tile.dtype)
+        if DOT_IN_FP32:
+            v_tile = v_tile.to(tl.float32)
+            b_tile = b_tile.to(tl.float32)
+        acc = tl.dot(v_tile, tl.trans(b_tile), input_precision=DOT_PRECISION)
+
+        y_ptrs = y_ptr + rows * stride_y_t + offs_n[None, :] * stride_y_h
+        if EVEN_N:
+            y_mask = mask_m[:, None]
+        else:
+            y_mask = mask_m[:, None] & mask_n[None, :]
+        y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y_tile + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def sgmv_expand(
+    v: torch.Tensor,  # [T, >= R_max], fp32 or lora_b.dtype
+    lora_b: torch.Tensor,  # [num_slots, H_out, R_max]
+    scales: torch.Tensor,  # fp32 [num_slots]
+    meta: SgmvMeta,
+    y: torch.Tensor,  # [T, >= y_offset + H_out], lora_b.dtype; updated in place
+    ranks: torch.Tensor | None = None,  # int32 [num_slots]; None = every slot has rank R_max
+    y_offset: int = 0,  # first column of y that this op writes
+    config: dict | None = None,  # forced launch config (tests, tuning); None = table lookup
+) -> torch.Tensor:
+    """Semantics:
+        for each token t with slot s = slot(t) >= 0, r = rank(s):
+            y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
+                                                 [r] x [r, H_out] -> [H_out], fp32 accumulate
+        Rows of slot -1 (no adapter) are left untouched, as are all other columns of y.
+    Mutates y in place and returns it. Every adapter's rank must be <= meta.max_rank when
+    that is set. v and y may be strided views with unit stride on their last axis.
+    """
+    assert v.dim() == 2 and lora_b.dim() == 3 and y.dim() == 2, (
+        "v must be [T, R], lora_b [num_slots, H_out, R_max], y [T, H]"
+    )
+    num_tokens = v.shape[0]
+    num_slots, h_out, r_max = lora_b.shape
+    assert v.shape[1] >= r_max, f"v has {v.shape[1]} columns, lora_b has rank {r_max}"
+    assert y.shape[0] == num_tokens, f"y has {y.shape[0]} rows, v has {num_tokens}"
+    assert 0 <= y_offset and y_offset + h_out <= y.shape[1], (
+        f"columns [{y_offset}, {y_offset + h_out}) do not fit y of width {y.shape[1]}"
+    )
+    assert y.dtype == lora_b.dtype, f"y dtype {y.dtype} != lora_b dtype {lora_b.dtype}"
+    assert y.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {y.dtype}"
+    assert v.dtype in (torch.float32, lora_b.dtype), f"v must be fp32 or {lora_b.dtype}, got {v.dtype}"
+    assert scales.dtype == torch.float32 and scales.shape == (num_slots,), (
+        f"scales must be fp32 [num_slots={num_slots}]"
+    )
+    assert meta.num_tokens == num_tokens, f"meta has {meta.num_tokens} tokens, v has {num_tokens}"
+    assert v.device == lora_b.device == y.device == scales.device == meta.device, (
+        "v, lora_b, scales, y and meta must share a device"
+    )
+    assert ranks is None or (ranks.dtype == torch.int32 and ranks.shape == (num_slots,)), (
+        f"ranks must be int32 [num_slots={num_slots}]"
+    )
+    rank_cap = min(r_max, meta.max_rank or r_max)
+    block_r = rank_block(rank_cap)
+    assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
+
+    y_cols = y.narrow(1, y_offset, h_out)
+    if config is None:
+        config = get_config("sgmv_expand", y.device, num_tokens, h_out, block_r)
+    tiles = meta.tiles(config["BLOCK_M"])
+    grid = (tiles.grid_bound, triton.cdiv(h_out, config["BLOCK_N"]))
+    _sgmv_expand_kernel[grid](
+        v, lora_b, y_cols, scales,
+        tiles.tile_slot if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
+        tiles.tile_slot, tiles.tile_start, tiles.tile_end, tiles.num_tiles,
+        h_out, rank_cap,
+        v.stride(0), v.stride(1),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        y_cols.stride(0), y_cols.stride(1),
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_N=config["BLOCK_N"],
+        BLOCK_R=block_r,
+        EVEN_N=h_out % config["BLOCK_N"] == 0,
+        HAS_RANKS=ranks is not None,
+        DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=y.device.type == "cpu",
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    return y

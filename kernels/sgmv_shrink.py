@@ -1,0 +1,156 @@
+"""SGMV shrink: project each token onto its own adapter's LoRA A (hidden -> rank).
+
+Computes v[t] = x[t] @ A[slot(t)]ᵀ for a batch whose tokens are grouped by adapter.
+The idea is punica's SGMV (segmented gather matrix-vector product, Chen et al. 2023):
+one launch serves every adapter of the batch. Here the launch walks the batch's tiles
+(meta.py): each program takes BLOCK_M tokens of one segment, loops over H_in in BLOCK_K
+steps and accumulates x_tile @ A_tileᵀ in float32 with tensor-core dots, so x is read
+once and the A slice of an adapter comes from L2 after its first tile.
+
+Mixed ranks: A is stored padded to R_max; with `ranks` given, rows r >= rank(slot) are
+masked out of the loads, so padded rank costs neither bandwidth nor correctness. The
+rank tile BLOCK_R is max(16, next pow2 >= max rank) because tl.dot needs N >= 16; the
+masked rows are zeros in the dot.
+
+Limits: T in one launch up to 2^31 / H_in rows of int32 tile indices (offsets are int64);
+BLOCK_R <= 128. No split-K: a batch of a few tokens with a large H_in runs on few
+programs (latency-bound, a few microseconds).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch_config import get_config, rank_block
+from .meta import SgmvMeta
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    # pointers
+    x_ptr,  # [T, H_in]
+    a_ptr,  # [num_slots, R_max, H_in]
+    v_ptr,  # [T, >= R_max] out
+    ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
+    tile_slot_ptr,  # int32 [tile_cap], meta.py
+    tile_start_ptr,  # int32 [tile_cap]
+    tile_end_ptr,  # int32 [tile_cap]
+    num_tiles_ptr,  # int32 [1]
+    # sizes
+    h_in,
+    rank_cap,  # min(R_max, meta.max_rank): rank rows/columns at or past it are never touched
+    # strides (elements)
+    stride_x_t,
+    stride_x_h,
+    stride_a_slot,
+    stride_a_r,
+    stride_a_h,
+    stride_v_t,
+    stride_v_r,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
+    BLOCK_R: tl.constexpr,  # rank tile, >= 16
+    BLOCK_K: tl.constexpr,  # H_in step
+    EVEN_K: tl.constexpr,  # H_in % BLOCK_K == 0: no mask on the hidden axis
+    HAS_RANKS: tl.constexpr,  # mask rank rows r >= ranks[slot]
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit)
+    DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the CPU interpreter multiplies bf16 as raw bits
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    num_tiles = tl.load(num_tiles_ptr)
+    # Grid-stride loop: the grid is sized from a host bound (one tile per program when
+    # it holds); any tiles beyond it are still done here.
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+        tokens = tl.load(tile_start_ptr + tile) + offs_m
+        mask_m = tokens < tl.load(tile_end_ptr + tile)
+        rank = rank_cap
+        if HAS_RANKS:
+            rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
+        mask_r = offs_r < rank
+
+        x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x_t + offs_k[None, :] * stride_x_h
+        a_ptrs = a_ptr + slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :] * stride_a_h
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(0, tl.cdiv(h_in, BLOCK_K)):
+            if EVEN_K:
+                x_tile = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+                a_tile = tl.load(a_ptrs, mask=mask_r[:, None], other=0.0)
+            else:
+                mask_k = offs_k < h_in - k * BLOCK_K
+                x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                a_tile = tl.load(a_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            if DOT_IN_FP32:
+                x_tile = x_tile.to(tl.float32)
+                a_tile = a_tile.to(tl.float32)
+            acc = tl.dot(x_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_h
+            a_ptrs += BLOCK_K * stride_a_h
+
+        v_ptrs = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_t + offs_r[None, :] * stride_v_r
+        v_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
+        tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=v_mask)
+
+
+def sgmv_shrink(
+    x: torch.Tensor,  # [T, H_in]
+    lora_a: torch.Tensor,  # [num_slots, R_max, H_in], same dtype as x
+    meta: SgmvMeta,
+    v: torch.Tensor,  # [T, >= R_max], fp32 or x.dtype; written in place
+    ranks: torch.Tensor | None = None,  # int32 [num_slots]; None = every slot has rank R_max
+    config: dict | None = None,  # forced launch config (tests, tuning); None = table lookup
+) -> torch.Tensor:
+    """Semantics:
+        for each token t with slot s = slot(t) >= 0, r = rank(s):
+            v[t, :r] = x[t, :] @ lora_a[s, :r, :]ᵀ       [H_in] x [H_in, r] -> [r], fp32 accumulate
+        v[t, r:] is unspecified (zero within the rank tile); sgmv_expand never reads it.
+        Rows of slot -1 (no adapter) are left untouched.
+    Mutates v in place and returns it. Every adapter's rank must be <= meta.max_rank when
+    that is set. x and v may be strided views with unit stride on their last axis.
+    """
+    assert x.dim() == 2 and lora_a.dim() == 3, "x must be [T, H_in], lora_a [num_slots, R_max, H_in]"
+    num_tokens, h_in = x.shape
+    num_slots, r_max, a_h_in = lora_a.shape
+    assert a_h_in == h_in, f"lora_a hidden size {a_h_in} != x hidden size {h_in}"
+    assert lora_a.dtype == x.dtype, f"lora_a dtype {lora_a.dtype} != x dtype {x.dtype}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}"
+    assert v.dim() == 2 and v.shape[0] == num_tokens and v.shape[1] >= r_max, (
+        f"v must be [T={num_tokens}, >= R_max={r_max}], got {tuple(v.shape)}"
+    )
+    assert v.dtype in (torch.float32, x.dtype), f"v must be fp32 or {x.dtype}, got {v.dtype}"
+    assert meta.num_tokens == num_tokens, f"meta has {meta.num_tokens} tokens, x has {num_tokens}"
+    assert x.device == lora_a.device == v.device == meta.device, "x, lora_a, v and meta must share a device"
+    assert ranks is None or (ranks.dtype == torch.int32 and ranks.shape == (num_slots,)), (
+        f"ranks must be int32 [num_slots={num_slots}]"
+    )
+    rank_cap = min(r_max, meta.max_rank or r_max)
+    block_r = rank_block(rank_cap)
+    assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
+
+    if config is None:
+        config = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r)
+    tiles = meta.tiles(config["BLOCK_M"])
+    grid = (tiles.grid_bound,)
+    _sgmv_shrink_kernel[grid](
+        x, lora_a, v,
+        tiles.tile_slot if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
+        tiles.tile_slot, tiles.tile_start, tiles.tile_end, tiles.num_tiles,
+        h_in, rank_cap,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        v.stride(0), v.stride(1),
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_R=block_r,
+        BLOCK_K=config["BLOCK_K"],
+        EVEN_K=h_in % config["BLOCK_K"] == 0,
+        HAS_RANKS=ranks is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=x.device.type == "cpu",
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    return v

@@ -1,0 +1,133 @@
+"""sgmv_expand against the float32 reference: popularity patterns, ranks, odd sizes,
+column-offset writes, configs. Rows of slot -1 and columns outside the slice must stay
+bit-identical."""
+
+import dataclasses
+
+import pytest
+import torch
+from sgmv_cases import DTYPES, PATTERNS, assert_close, make_lora, make_slot_per_token
+
+from manylora.kernels import build_sgmv_meta, sgmv_expand_ref
+from manylora.kernels.launch_config import all_configs
+from manylora.kernels.sgmv_expand import sgmv_expand
+
+NUM_SLOTS = 12
+
+
+def run_and_check(
+    device, slot_per_token, h_out, r_max, dtype, *, ranks=None, v_dtype=torch.float32,
+    config=None, max_rank=None, y_width=None, y_offset=0, seed=0, meta=None,
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = len(slot_per_token)
+    y_width = h_out if y_width is None else y_width
+    _, lora_b, scales = make_lora(NUM_SLOTS, r_max, 8, h_out, dtype, device, gen, ranks)
+    ranks_dev = None if ranks is None else ranks.to(device)
+    v = torch.randn(num_tokens, r_max, generator=gen).to(device, v_dtype)
+    if ranks is not None:
+        # Columns past a token's rank are never read: poison them.
+        slots = torch.tensor(slot_per_token)
+        rank_of_token = ranks[slots.clamp(min=0)].long()
+        v[(torch.arange(r_max)[None, :] >= rank_of_token[:, None]).to(device)] = float("nan")
+    if meta is None:
+        meta = build_sgmv_meta(slot_per_token=slot_per_token, device=device, max_rank=max_rank)
+    y_before = torch.randn(num_tokens, y_width, generator=gen).to(device, dtype)
+    y = y_before.clone()
+    expected = y_before.clone()
+    sgmv_expand(v, lora_b, scales, meta, y, ranks_dev, y_offset, config=config)
+    sgmv_expand_ref(v, lora_b, scales, meta, expected, ranks_dev, y_offset)
+
+    assert_close(y, expected, dtype)
+    base_rows = torch.tensor(slot_per_token, device=device) < 0
+    assert torch.equal(y[base_rows], y_before[base_rows]), "rows of slot -1 must stay untouched"
+    outside = torch.ones(y_width, dtype=torch.bool, device=device)
+    outside[y_offset : y_offset + h_out] = False
+    assert torch.equal(y[:, outside], y_before[:, outside]), "columns outside the slice must stay untouched"
+    if (~base_rows).any():
+        assert not torch.equal(y[~base_rows], y_before[~base_rows]), "adapter rows must change"
+
+
+@pytest.mark.parametrize("with_base", [False, True], ids=["adapters", "with_base"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_popularity_patterns(device, dtype, pattern, with_base):
+    num_tokens = 4096 if device == "cuda" else 160
+    gen = torch.Generator().manual_seed(100 + 2 * PATTERNS.index(pattern) + with_base)
+    slots = make_slot_per_token(pattern, num_tokens, NUM_SLOTS, with_base, gen)
+    h_out = 768 if device == "cuda" else 100
+    run_and_check(device, slots, h_out, 16, dtype)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 7, 16, 33, 64, 128])
+def test_ranks(device, rank):
+    num_tokens = 1000 if device == "cuda" else 40
+    slots = [1] * (num_tokens // 2) + [4] * (num_tokens - num_tokens // 2)
+    run_and_check(device, slots, 96, rank, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_ranks_skip_padding(device, dtype):
+    gen = torch.Generator().manual_seed(3)
+    ranks = torch.randint(1, 33, (NUM_SLOTS,), generator=gen, dtype=torch.int32)
+    ranks[0] = 32
+    slots = make_slot_per_token("uniform", 300 if device == "cuda" else 96, NUM_SLOTS, True, gen)
+    run_and_check(device, slots, 64, 32, dtype, ranks=ranks, max_rank=32)
+
+
+def test_batch_max_rank_below_stack_rank(device):
+    gen = torch.Generator().manual_seed(4)
+    ranks = torch.randint(1, 9, (NUM_SLOTS,), generator=gen, dtype=torch.int32)
+    slots = make_slot_per_token("zipf", 80, NUM_SLOTS, False, gen)
+    run_and_check(device, slots, 50, 64, torch.bfloat16, ranks=ranks, max_rank=8)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,h_out",
+    [(1, 37), (1, 768), (3, 1), (17, 37), (33, 100), (50, 1024), (20, 3072)],
+)
+def test_odd_sizes(device, num_tokens, h_out):
+    slots = [2] * (num_tokens - num_tokens // 3) + [5] * (num_tokens // 3)
+    run_and_check(device, slots, h_out, 16, torch.float16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes only on CUDA")
+@pytest.mark.parametrize("num_tokens,h_out", [(32768, 768), (32768, 3072), (8192, 4096)])
+def test_large(device, num_tokens, h_out):
+    gen = torch.Generator().manual_seed(5)
+    slots = make_slot_per_token("zipf", num_tokens, NUM_SLOTS, True, gen)
+    run_and_check(device, slots, h_out, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("y_offset", [0, 64, 128], ids=lambda o: f"q_k_v_{o // 64}")
+def test_column_offset_into_fused_output(device, y_offset):
+    """One of q/k/v (64 columns each) written into its slice of a [T, 192] output."""
+    gen = torch.Generator().manual_seed(9)
+    slots = make_slot_per_token("uniform", 90, NUM_SLOTS, True, gen)
+    run_and_check(device, slots, 64, 16, torch.bfloat16, y_width=192, y_offset=y_offset)
+
+
+def test_odd_column_offset(device):
+    slots = [3] * 30 + [-1] * 4 + [8] * 10
+    run_and_check(device, slots, 37, 8, torch.float32, y_width=101, y_offset=13)
+
+
+def test_v_in_weight_dtype(device):
+    slots = [0] * 20 + [-1] * 5 + [3] * 15
+    run_and_check(device, slots, 100, 16, torch.bfloat16, v_dtype=torch.bfloat16)
+
+
+def test_undersized_grid_still_covers_every_tile(device):
+    gen = torch.Generator().manual_seed(7)
+    slots = make_slot_per_token("uniform", 120, NUM_SLOTS, True, gen)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    tiles = {bm: dataclasses.replace(t, grid_bound=1) for bm, t in meta.tiles_by_block_m.items()}
+    meta = dataclasses.replace(meta, tiles_by_block_m=tiles)
+    run_and_check(device, slots, 64, 16, torch.float32, meta=meta)
+
+
+@pytest.mark.parametrize("config", all_configs("sgmv_expand"), ids=lambda c: "-".join(map(str, c.values())))
+def test_every_config(device, config):
+    gen = torch.Generator().manual_seed(8)
+    slots = make_slot_per_token("skewed", 300 if device == "cuda" else 70, NUM_SLOTS, True, gen)
+    run_and_check(device, slots, 200, 16, torch.bfloat16, config=config)

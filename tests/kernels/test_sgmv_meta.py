@@ -1,0 +1,90 @@
+"""SgmvMeta: the documented running example, per-row vs per-token input, tile invariants."""
+
+import pytest
+import torch
+from sgmv_cases import PATTERNS, make_slot_per_token
+
+from manylora.kernels import BLOCK_M_CHOICES, SgmvMetaBuilder, build_sgmv_meta
+
+
+def used(tiles):
+    n = int(tiles.num_tiles)
+    return tiles.tile_slot[: n + 1].tolist(), tiles.tile_start[:n].tolist(), tiles.tile_end[:n].tolist()
+
+
+def test_running_example_of_the_docstring(device):
+    meta = SgmvMetaBuilder(10, device, block_m_choices=(4,)).build(
+        slot_per_token=[3, 3, 3, 3, 3, -1, -1, 0, 7, 7]
+    )
+    assert meta.seg_starts[:6].tolist() == [0, 5, 7, 8, 10, 10]
+    assert meta.seg_slots[:5].tolist() == [3, -1, 0, 7, -1]
+    assert meta.num_segments.tolist() == [4]
+    assert meta.segments() == [(0, 5, 3), (5, 7, -1), (7, 8, 0), (8, 10, 7)]
+    tile_slot, tile_start, tile_end = used(meta.tiles(4))
+    assert tile_slot == [3, 3, 0, 7, -1]
+    assert tile_start == [0, 4, 7, 8]
+    assert tile_end == [4, 5, 8, 10]
+    assert meta.segments_bound == 4
+
+
+def test_rows_and_tokens_agree(device):
+    rows = [2, 2, -1, 5, 5, 5, 0]
+    by_row = build_sgmv_meta(slot_per_row=rows, row_len=9, device=device)
+    by_token = build_sgmv_meta(slot_per_token=[s for s in rows for _ in range(9)], device=device)
+    assert by_row.num_tokens == by_token.num_tokens == 63
+    assert by_row.segments() == by_token.segments() == [(0, 18, 2), (18, 27, -1), (27, 54, 5), (54, 63, 0)]
+    for bm in BLOCK_M_CHOICES:
+        assert used(by_row.tiles(bm)) == used(by_token.tiles(bm))
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_tiles_cover_exactly_the_adapter_tokens(device, pattern, with_base):
+    gen = torch.Generator().manual_seed(11)
+    slots = make_slot_per_token(pattern, 700, 40, with_base, gen)
+    meta = build_sgmv_meta(slot_per_token=torch.tensor(slots, dtype=torch.int32), device=device)
+    for bm in BLOCK_M_CHOICES:
+        tiles = meta.tiles(bm)
+        tile_slot, tile_start, tile_end = used(tiles)
+        assert tile_slot[-1] == -1 and -1 not in tile_slot[:-1]
+        assert int(tiles.num_tiles) <= tiles.grid_bound
+        covered = [-1] * len(slots)
+        for slot, start, end in zip(tile_slot, tile_start, tile_end):
+            assert 0 < end - start <= bm
+            for t in range(start, end):
+                assert covered[t] == -1, "a token in two tiles"
+                covered[t] = slot
+        assert covered == slots
+
+
+def test_device_slots_use_the_given_bound(device):
+    slots = torch.tensor([1, 1, 2, 2, 2, -1], dtype=torch.int32, device=device)
+    meta = build_sgmv_meta(slot_per_token=slots, max_segments=3)
+    assert meta.device.type == torch.device(device).type
+    expected_bound = 3 if device == "cuda" else 3  # host slots count exactly: also 3
+    assert meta.segments_bound == expected_bound
+    assert meta.segments() == [(0, 2, 1), (2, 5, 2), (5, 6, -1)]
+
+
+def test_builder_is_reused_across_batches(device):
+    builder = SgmvMetaBuilder(64, device)
+    first = builder.build(slot_per_token=[4] * 50 + [9] * 14)
+    assert first.segments() == [(0, 50, 4), (50, 64, 9)]
+    second = builder.build(slot_per_row=[-1, 3, 3], row_len=5)
+    assert second.segments() == [(0, 5, -1), (5, 15, 3)]
+    assert used(second.tiles(16)) == ([3, -1], [5], [15])
+    with pytest.raises(AssertionError, match="tokens"):
+        builder.build(slot_per_token=[0] * 65)
+
+
+def test_single_token_and_ungrouped_order(device):
+    assert build_sgmv_meta(slot_per_token=[7], device=device).segments() == [(0, 1, 7)]
+    # Interleaved slots still work; each run is its own segment.
+    meta = build_sgmv_meta(slot_per_token=[1, 2, 1, 1], device=device)
+    assert meta.segments() == [(0, 1, 1), (1, 2, 2), (2, 4, 1)]
+
+
+def test_unknown_block_m_is_refused(device):
+    meta = build_sgmv_meta(slot_per_token=[0, 0], device=device)
+    with pytest.raises(AssertionError, match="BLOCK_M=48"):
+        meta.tiles(48)
