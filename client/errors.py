@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from tritonclient.utils import InferenceServerException
 
 # gRPC status names that differ from Triton's own error code names.
@@ -45,8 +43,8 @@ class ManyLoRAError(Exception):
         self,
         message: str,
         code: str = "UNKNOWN",
-        status: Optional[str] = None,
-        index: Optional[int] = None,
+        status: str | None = None,
+        index: int | None = None,
     ):
         super().__init__(message)
         self.message = message
@@ -59,16 +57,13 @@ class ManyLoRAError(Exception):
         return f"[{self.code}] {where}{self.message}"
 
     def __repr__(self) -> str:
-        return (
-            f"ManyLoRAError({self.message!r}, code={self.code!r}, "
-            f"status={self.status!r}, index={self.index!r})"
-        )
+        return f"ManyLoRAError({self.message!r}, code={self.code!r}, status={self.status!r}, index={self.index!r})"
 
     def to_json(self) -> dict:
         return {"code": self.code, "message": self.message}
 
 
-def code_from_status(status: Optional[str]) -> str:
+def code_from_status(status: str | None) -> str:
     """Triton error code name for a tritonclient status string (gRPC or HTTP)."""
     if not status:
         return "UNKNOWN"
@@ -78,7 +73,7 @@ def code_from_status(status: Optional[str]) -> str:
     return _HTTP_TO_TRITON.get(status, "UNKNOWN")
 
 
-def error_from_exception(exc: BaseException, index: Optional[int] = None) -> ManyLoRAError:
+def error_from_exception(exc: BaseException, index: int | None = None) -> ManyLoRAError:
     """Wrap whatever a tritonclient call raised as a ManyLoRAError (cause kept)."""
     if isinstance(exc, ManyLoRAError):
         error = ManyLoRAError(exc.message, exc.code, exc.status, exc.index)

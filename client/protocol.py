@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import numpy as np
 
@@ -89,14 +90,13 @@ class Request:
                 raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
             object.__setattr__(self, name, bool(value))
         threshold = self.threshold
-        if isinstance(threshold, (bool, np.bool_)) or not isinstance(
-            threshold, (int, float, np.floating, np.integer)
-        ):
+        if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.floating, np.integer)):
             raise ValueError(f"threshold must be a number, got {type(threshold).__name__}")
         threshold = float(threshold)
         if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
             raise ValueError(f"threshold must be within [0, 1], got {threshold}")
-        object.__setattr__(self, "threshold", threshold)
+        # The wire carries FP32: hold exactly the value the server will see.
+        object.__setattr__(self, "threshold", float(np.float32(threshold)))
 
     def to_arrays(self) -> dict:
         """All six input tensors, each shaped ``[1, 1]``.
@@ -115,7 +115,7 @@ class Request:
         }
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, Optional[np.ndarray]]) -> "Request":
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray | None]) -> Request:
         """Decode one request's input tensors (absent optional inputs: missing or None).
 
         Raises ``ValueError`` naming the offending tensor.

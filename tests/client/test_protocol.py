@@ -1,0 +1,174 @@
+"""The wire contract (manylora.client.protocol) and the InferInputs built from it."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from manylora.client import protocol
+from manylora.client.protocol import Request
+from manylora.client.transport import infer_inputs, requested_outputs
+
+SCHEMA = json.dumps({"entities": ["person", "company"]})
+
+
+def test_contract_matches_the_design():
+    assert protocol.MODEL_NAME == "gliner2"
+    assert [(s.name, s.config_dtype, s.triton_dtype, s.numpy_dtype, s.dims, s.optional) for s in protocol.INPUTS] == [
+        ("TEXT", "TYPE_STRING", "BYTES", np.object_, (1,), False),
+        ("SCHEMA", "TYPE_STRING", "BYTES", np.object_, (1,), False),
+        ("ADAPTER_ID", "TYPE_STRING", "BYTES", np.object_, (1,), True),
+        ("THRESHOLD", "TYPE_FP32", "FP32", np.float32, (1,), True),
+        ("INCLUDE_CONFIDENCE", "TYPE_BOOL", "BOOL", np.bool_, (1,), True),
+        ("INCLUDE_SPANS", "TYPE_BOOL", "BOOL", np.bool_, (1,), True),
+    ]
+    assert [(s.name, s.config_dtype, s.triton_dtype) for s in protocol.OUTPUTS] == [("RESULT", "TYPE_STRING", "BYTES")]
+    assert {s.name: s.default for s in protocol.INPUTS if s.optional} == {
+        "ADAPTER_ID": "",
+        "THRESHOLD": 0.5,
+        "INCLUDE_CONFIDENCE": False,
+        "INCLUDE_SPANS": False,
+    }
+    assert set(protocol.SPECS) == {s.name for s in protocol.INPUTS + protocol.OUTPUTS}
+
+
+def test_protocol_imports_neither_tritonclient_nor_gliner2():
+    code = (
+        "import sys, manylora.client.protocol;"
+        "heavy = [m for m in ('tritonclient', 'gliner2', 'torch') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_request_arrays_are_all_six_tensors_shaped_1_1():
+    request = Request("Tim Cook runs Apple.", SCHEMA, adapter="acme", threshold=0.25, include_spans=True)
+    arrays = request.to_arrays()
+    assert list(arrays) == [spec.name for spec in protocol.INPUTS]
+    for spec in protocol.INPUTS:
+        assert arrays[spec.name].shape == (1, 1)
+        assert arrays[spec.name].dtype == np.dtype(spec.numpy_dtype)
+    assert arrays["TEXT"][0, 0] == b"Tim Cook runs Apple."
+    assert arrays["ADAPTER_ID"][0, 0] == b"acme"
+    assert arrays["THRESHOLD"][0, 0] == np.float32(0.25)
+    assert arrays["INCLUDE_CONFIDENCE"][0, 0] == np.False_ and arrays["INCLUDE_SPANS"][0, 0] == np.True_
+
+
+def test_base_model_is_sent_as_an_empty_adapter_id():
+    assert Request("t", SCHEMA).to_arrays()["ADAPTER_ID"][0, 0] == b""
+
+
+def test_arrays_round_trip_exactly():
+    request = Request("naïve café – 東京", SCHEMA, adapter="a/b", threshold=0.3, include_confidence=True)
+    assert Request.from_arrays(request.to_arrays()) == request
+    assert request.threshold == float(np.float32(0.3)), "threshold holds what FP32 carries"
+
+
+def test_absent_optional_inputs_take_their_defaults():
+    arrays = Request("t", SCHEMA).to_arrays()
+    decoded = Request.from_arrays({"TEXT": arrays["TEXT"], "SCHEMA": arrays["SCHEMA"], "ADAPTER_ID": None})
+    assert decoded == Request("t", SCHEMA, adapter="", threshold=0.5, include_confidence=False, include_spans=False)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"TEXT": None}, "TEXT is required"),
+        ({"SCHEMA": np.array([[b"a", b"b"]], dtype=np.object_)}, "SCHEMA must hold one element"),
+        ({"TEXT": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "TEXT is not valid UTF-8"),
+        ({"TEXT": np.array([[3]], dtype=np.object_)}, "TEXT must be BYTES"),
+        ({"THRESHOLD": np.array([[1.5]], dtype=np.float32)}, "threshold must be within"),
+        ({"THRESHOLD": np.array([[np.nan]], dtype=np.float32)}, "threshold must be within"),
+        ({"EXTRA": np.array([[1]])}, "unknown input"),
+    ],
+)
+def test_bad_arrays_raise_value_error_naming_the_tensor(change, message):
+    arrays = {**Request("t", SCHEMA).to_arrays(), **change}
+    with pytest.raises(ValueError, match=message):
+        Request.from_arrays(arrays)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"text": b"bytes"}, "text must be a str"),
+        ({"schema": {"entities": ["x"]}}, "schema must be a str"),
+        ({"adapter": None}, "adapter must be a str"),
+        ({"threshold": True}, "threshold must be a number"),
+        ({"threshold": "0.5"}, "threshold must be a number"),
+        ({"threshold": -0.1}, "within \\[0, 1\\]"),
+        ({"include_spans": 1}, "include_spans must be a bool"),
+    ],
+)
+def test_request_validates_its_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Request(**{"text": "t", "schema": SCHEMA, **kwargs})
+
+
+def test_result_array_round_trip_keeps_unicode():
+    result = {"entities": {"city": ["Zürich", "東京"]}, "relation_extraction": {"in": [["a", "b"]]}}
+    array = protocol.result_array(result)
+    assert array.shape == (1, 1) and array.dtype == np.object_
+    assert "Zürich".encode() in array[0, 0]
+    assert protocol.parse_result(array) == result
+
+
+def _bytes_element(value: bytes) -> bytes:
+    """Triton's BYTES serialization: a little-endian uint32 length, then the bytes."""
+    return struct.pack("<I", len(value)) + value
+
+
+def _expected_wire(request: Request) -> dict:
+    return {
+        "TEXT": _bytes_element(request.text.encode()),
+        "SCHEMA": _bytes_element(request.schema.encode()),
+        "ADAPTER_ID": _bytes_element(request.adapter.encode()),
+        "THRESHOLD": struct.pack("<f", request.threshold),
+        "INCLUDE_CONFIDENCE": bytes([request.include_confidence]),
+        "INCLUDE_SPANS": bytes([request.include_spans]),
+    }
+
+
+REQUEST = Request("Zoë works at ACME.", SCHEMA, adapter="tenant-7", threshold=0.42, include_confidence=True)
+
+
+def test_grpc_infer_inputs():
+    inputs = infer_inputs("grpc", REQUEST)
+    assert all(isinstance(i, grpcclient.InferInput) for i in inputs)
+    assert [(i.name(), i.datatype(), i.shape()) for i in inputs] == [
+        (s.name, s.triton_dtype, [1, 1]) for s in protocol.INPUTS
+    ]
+    expected = _expected_wire(REQUEST)
+    assert {i.name(): i._get_content() for i in inputs} == expected
+
+
+def test_http_infer_inputs_are_binary():
+    inputs = infer_inputs("http", REQUEST)
+    assert all(isinstance(i, httpclient.InferInput) for i in inputs)
+    assert [(i.name(), i.datatype(), i.shape()) for i in inputs] == [
+        (s.name, s.triton_dtype, [1, 1]) for s in protocol.INPUTS
+    ]
+    expected = _expected_wire(REQUEST)
+    assert {i.name(): i._get_binary_data() for i in inputs} == expected
+    for infer_input in inputs:
+        tensor = infer_input._get_tensor()
+        assert "data" not in tensor
+        assert tensor["parameters"] == {"binary_data_size": len(expected[infer_input.name()])}
+
+
+def test_requested_output_is_result_in_binary():
+    (grpc_output,) = requested_outputs("grpc")
+    (http_output,) = requested_outputs("http")
+    assert grpc_output.name() == http_output.name() == "RESULT"
+    assert http_output._get_tensor()["parameters"]["binary_data"] is True
+
+
+def test_unknown_protocol_is_refused():
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        infer_inputs("websocket", REQUEST)
