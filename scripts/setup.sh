@@ -29,7 +29,8 @@ if [[ ! -x $VENV/bin/python ]]; then
   echo "setup: creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
-pip=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
+# -qq: the machine-wide pip config names partial local indexes, which warn on every package.
+pip=("$VENV/bin/python" -m pip -qq --disable-pip-version-check)
 
 echo "setup: installing torch $TORCH_VERSION ($torch_flavour)"
 "${pip[@]}" install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
