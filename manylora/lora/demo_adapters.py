@@ -13,6 +13,7 @@ heads only, suffix-only ``target_modules``, rsLoRA, and rank/alpha patterns.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -116,3 +117,29 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def clone_random_adapters(template: Path, out_dir: Path, count: int, seed: int = 0, strength: float = 0.6,
+                          dtype: torch.dtype = torch.bfloat16) -> list[Path]:
+    """``count`` adapters shaped like the PEFT-written ``template``: same config and keys,
+    new seeded random weights. Fast enough for the 1,024-adapter benchmarks (PEFT would
+    rebuild the whole model per adapter)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(Path(template) / "adapter_model.safetensors"))
+    config = (Path(template) / "adapter_config.json").read_text()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    folders = []
+    for i in range(count):
+        folder = out_dir / f"adapter-{i:05d}"
+        if not (folder / "adapter_model.safetensors").is_file():
+            folder.mkdir(exist_ok=True)
+            (folder / "adapter_config.json").write_text(config)
+            weights = {k: (torch.randn(t.shape, generator=generator) * (strength / t.shape[1] ** 0.5)).to(dtype)
+                       for k, t in tensors.items()}
+            save_file(weights, str(folder / "adapter_model.safetensors.partial"))
+            os.replace(folder / "adapter_model.safetensors.partial", folder / "adapter_model.safetensors")
+        folders.append(folder)
+    return folders

@@ -138,6 +138,14 @@ class AdapterStore:
         self._slot_owner[slot] = adapter
         self.loads["gpu"] += 1
 
+    def clear(self) -> None:
+        """Forget every resident adapter (both tiers); the slot tensors are kept."""
+        with self._lock:
+            self._host.clear()
+            self._gpu.clear()
+            self._slot_owner = [None] * self.gpu_slots
+            self.loads = {"disk": 0, "gpu": 0}
+
     def owner(self, slot: int) -> Optional[LoraAdapter]:
         return self._slot_owner[slot]
 

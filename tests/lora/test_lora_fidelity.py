@@ -1,0 +1,95 @@
+"""A batch mixing many adapters and base rows: every answer equals GLiNER2 + PEFT with that adapter alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from manylora.compare import result_differences
+from manylora.config import EngineConfig
+from manylora.demo import demo_schemas, demo_texts
+from manylora.engine import Engine, Request
+
+
+def _engine(checkpoint, adapters_root, **parameters):
+    values = {"checkpoint": str(checkpoint), "adapter_dir": str(adapters_root)}
+    values.update({k: str(v) for k, v in parameters.items()})
+    return Engine(EngineConfig.from_parameters(values))
+
+
+def _mixed_requests(adapter_names, per_adapter=3, seed=11):
+    schemas = demo_schemas()
+    texts = demo_texts(per_adapter * (len(adapter_names) + 1), seed=seed)
+    requests = []
+    names = list(adapter_names) + [""]  # "" = base rows in the same batch
+    for i, text in enumerate(texts):
+        name = names[i % len(names)]
+        requests.append(Request(text, json.dumps(schemas[i % len(schemas)]), adapter=name, include_confidence=True))
+    return requests
+
+
+def _check_against_peft(requests, got, demo_adapters, peft_reference):
+    from gliner2.inference.schema import Schema
+
+    failures = []
+    for request, answer in zip(requests, got):
+        model = peft_reference(demo_adapters[request.adapter] if request.adapter else None)
+        (expected,) = model.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
+        diffs = result_differences(answer, expected, atol=1e-4)
+        if diffs:
+            failures.append(f"adapter={request.adapter or 'base'}: {diffs[:2]}")
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_adapters_change_answers(demo_adapters, peft_reference):
+    """Guard against a vacuous comparison: every demo adapter changes GLiNER2's own answer."""
+    from gliner2.inference.schema import Schema
+
+    text = demo_texts(1, seed=5)[0]
+    schema = Schema.from_dict(demo_schemas()[0])
+    base = peft_reference(None).batch_extract([text], schema, include_confidence=True)[0]
+    for name, folder in demo_adapters.items():
+        adapted = peft_reference(folder).batch_extract([text], schema, include_confidence=True)[0]
+        assert result_differences(adapted, base), f"adapter {name} does not change the answer"
+
+
+def test_mixed_batch_equals_peft_per_adapter(tiny_checkpoint, demo_adapters, peft_reference):
+    names = sorted(demo_adapters)
+    assert len(names) >= 8
+    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, max_gpu_adapters=16)
+    requests = _mixed_requests(names)
+    got = engine.run(requests)
+    _check_against_peft(requests, got, demo_adapters, peft_reference)
+    assert engine.store.loads["gpu"] == len(names)
+
+
+def test_more_adapters_than_gpu_slots_are_served_in_waves(tiny_checkpoint, demo_adapters, peft_reference):
+    names = sorted(demo_adapters)
+    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, max_gpu_adapters=3,
+                     max_cpu_adapters=4)
+    requests = _mixed_requests(names, per_adapter=2, seed=12)
+    chunks = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
+    assert len(chunks) >= len(names) // 3
+    assert all(len({p.request.adapter for p in c if p.request.adapter}) <= 3 for c in chunks)
+    got = engine.run(requests)
+    _check_against_peft(requests, got, demo_adapters, peft_reference)
+
+
+def test_triton_kernels_in_the_engine(tiny_checkpoint, demo_adapters, peft_reference):
+    """The Triton SGMV kernels (interpreted on CPU, real on GPU) inside a full forward."""
+    pytest.importorskip("triton")
+    names = ["enc-r4", "enc-heads-r16", "patterns-r12"]
+    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, kernel_backend="triton")
+    requests = _mixed_requests(names, per_adapter=1, seed=13)
+    got = engine.run(requests)
+    _check_against_peft(requests, got, demo_adapters, peft_reference)
+
+
+def test_unknown_and_invalid_adapters_fail_alone(tiny_checkpoint, demo_adapters):
+    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent)
+    good = Request("Grace Hopper worked at Harvard.", json.dumps({"entities": ["person"]}), adapter="enc-r4")
+    bad = [Request(good.text, good.schema, adapter=a) for a in ("missing-adapter", "../enc-r4", "/etc", "a" * 300)]
+    got = engine.run([good, *bad])
+    assert isinstance(got[0], dict)
+    assert [getattr(g, "code", None) for g in got[1:]] == ["NOT_FOUND", "INVALID_ARG", "INVALID_ARG", "INVALID_ARG"]
