@@ -36,15 +36,15 @@ class ManyLoRAClient:
         adapter: Default LoRA adapter id for every call; None or ``""`` = base model.
         timeout: Seconds: the gRPC deadline per request, or the HTTP connection and
             network timeouts. None: gRPC waits forever, HTTP keeps tritonclient's 60 s.
-        concurrency: Requests a batch call keeps in flight (HTTP: connection pool size).
-            The server's dynamic batcher groups them; keep it at least the model's
-            max_batch_size to fill batches.
+        concurrency: Requests a batch call keeps in flight (HTTP: also the number of
+            worker threads and connections). The server's dynamic batcher groups them;
+            keep it at least the model's max_batch_size to fill batches.
 
     Methods taking ``adapter=`` use the client's default when it is None; pass ``""``
     for the base model. Batch methods also take one adapter per text.
 
-    A gRPC client can be shared between threads; an HTTP client (gevent) belongs to the
-    thread that created it. Use it as a context manager, or call ``close()``.
+    A client can be shared between threads. Use it as a context manager, or call
+    ``close()``.
     """
 
     def __init__(
@@ -96,14 +96,14 @@ class ManyLoRAClient:
     def is_live(self) -> bool:
         """True when the server answers its liveness check; False when unreachable."""
         with _unreachable_is_false():
-            return bool(self._transport.triton.is_server_live())
+            return bool(self._transport.call(lambda triton: triton.is_server_live()))
         return False
 
     def is_ready(self) -> bool:
         """True when the server and the model are ready; False when unreachable."""
         with _unreachable_is_false():
             return bool(
-                self._transport.triton.is_server_ready() and self._transport.triton.is_model_ready(self.model_name)
+                self._transport.call(lambda triton: triton.is_server_ready() and triton.is_model_ready(self.model_name))
             )
         return False
 
@@ -121,9 +121,9 @@ class ManyLoRAClient:
         """Triton's model metadata (name, versions, platform, inputs, outputs), shapes as ints."""
         with _wrapped_errors():
             if self.protocol == "grpc":
-                metadata = self._transport.triton.get_model_metadata(self.model_name, as_json=True)
+                metadata = self._transport.call(lambda triton: triton.get_model_metadata(self.model_name, as_json=True))
             else:
-                metadata = self._transport.triton.get_model_metadata(self.model_name)
+                metadata = self._transport.call(lambda triton: triton.get_model_metadata(self.model_name))
         for tensor in metadata.get("inputs", []) + metadata.get("outputs", []):
             tensor["shape"] = [int(dim) for dim in tensor.get("shape", [])]
         return metadata
@@ -132,8 +132,10 @@ class ManyLoRAClient:
         """The model's config as Triton parsed it (over gRPC, int64 values are strings)."""
         with _wrapped_errors():
             if self.protocol == "grpc":
-                return self._transport.triton.get_model_config(self.model_name, as_json=True)["config"]
-            return self._transport.triton.get_model_config(self.model_name)
+                return self._transport.call(lambda triton: triton.get_model_config(self.model_name, as_json=True))[
+                    "config"
+                ]
+            return self._transport.call(lambda triton: triton.get_model_config(self.model_name))
 
     def health(self) -> dict[str, Any]:
         """Liveness and readiness of the server and the model, never raising."""
@@ -142,8 +144,8 @@ class ManyLoRAClient:
         report["ready"] = False
         report["model_ready"] = False
         with _unreachable_is_false():
-            report["ready"] = bool(self._transport.triton.is_server_ready())
-            report["model_ready"] = bool(self._transport.triton.is_model_ready(self.model_name))
+            report["ready"] = bool(self._transport.call(lambda triton: triton.is_server_ready()))
+            report["model_ready"] = bool(self._transport.call(lambda triton: triton.is_model_ready(self.model_name)))
         return report
 
     # ---------------------------------------------------------------- requests

@@ -1,11 +1,14 @@
-"""tritonclient plumbing: InferInput lists for both protocols, and one submit() per protocol.
+"""tritonclient plumbing: InferInput lists for both protocols, and one transport per protocol.
 
 tritonclient's gRPC and HTTP modules are imported on first use, so a gRPC user never
-imports gevent and a protocol-only import stays light.
+imports gevent and a protocol-only import stays light. Both transports hand out futures
+with ``result()`` and ``cancel()``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import queue
 import threading
 from typing import Any
 
@@ -61,6 +64,10 @@ class GrpcTransport:
         self._timeout = timeout
         self._outputs = requested_outputs("grpc")
 
+    def call(self, fn):
+        """``fn(client)``, in the calling thread."""
+        return fn(self.triton)
+
     def infer(self, model_name: str, request: protocol.Request):
         return self.triton.infer(
             model_name, infer_inputs("grpc", request), outputs=self._outputs, client_timeout=self._timeout
@@ -104,43 +111,80 @@ class _GrpcFuture:
             self.call.cancel()
 
 
-class _HttpFuture:
-    """Result of one async_infer over HTTP (a greenlet in tritonclient's pool)."""
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def result(self):
-        return self._handle.get_result()
-
-    def cancel(self):
-        """Nothing to do: the pool finishes the request and the result is dropped."""
-
-
 class HttpTransport:
-    """Futures over ``tritonclient.http.InferenceServerClient.async_infer``.
+    """Blocking calls on worker threads, each with its own tritonclient.http client.
 
-    The HTTP client runs on gevent: use it from the thread that created it.
-    ``concurrency`` sizes its connection pool (requests in flight).
+    Not tritonclient.http's own ``async_infer``: in 2.51 it sleeps 10 ms after every
+    submit (to hand control to gevent), which caps one client at ~100 requests/s and
+    lets the dynamic batcher see only a couple of requests at a time. Every call, the
+    server helpers included, runs on a worker: a gevent-based client must stay on its
+    thread's hub, and is closed by that thread, so this transport is thread-safe.
     """
 
     name = "http"
 
     def __init__(self, url: str, timeout: float | None, concurrency: int):
-        kwargs = {"concurrency": concurrency}
+        self._module = triton_module("http")
+        self._url = url
+        self._client_kwargs = {"concurrency": 1}
         if timeout is not None:
-            kwargs.update(connection_timeout=timeout, network_timeout=timeout)
-        self.triton = triton_module("http").InferenceServerClient(url, **kwargs)
+            self._client_kwargs.update(connection_timeout=timeout, network_timeout=timeout)
         self._outputs = requested_outputs("http")
+        self._concurrency = concurrency
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers: list = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(self, fn):
+        """``fn(client)`` on a worker thread, waited for."""
+        return self._run(fn).result()
 
     def infer(self, model_name: str, request: protocol.Request):
-        return self.triton.infer(model_name, infer_inputs("http", request), outputs=self._outputs)
+        return self.call(lambda client: client.infer(model_name, infer_inputs("http", request), outputs=self._outputs))
 
-    def submit(self, model_name: str, request: protocol.Request) -> _HttpFuture:
-        return _HttpFuture(self.triton.async_infer(model_name, infer_inputs("http", request), outputs=self._outputs))
+    def submit(self, model_name: str, request: protocol.Request) -> concurrent.futures.Future:
+        return self._run(lambda client: client.infer(model_name, infer_inputs("http", request), outputs=self._outputs))
 
     def close(self):
-        self.triton.close()
+        with self._lock:
+            workers, self._workers, self._closed = self._workers, [], True
+        for _ in workers:
+            self._jobs.put(None)
+        for worker in workers:
+            worker.join()
+
+    def _run(self, fn) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the client is closed")
+            if not self._workers:
+                self._workers = [
+                    threading.Thread(target=self._work, name=f"manylora-http-{i}", daemon=True)
+                    for i in range(self._concurrency)
+                ]
+                for worker in self._workers:
+                    worker.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn))
+        return future
+
+    def _work(self):
+        client = None
+        try:
+            while (job := self._jobs.get()) is not None:
+                future, fn = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if client is None:
+                        client = self._module.InferenceServerClient(self._url, **self._client_kwargs)
+                    future.set_result(fn(client))
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+        finally:
+            if client is not None:
+                client.close()
 
 
 def make_transport(name: str, url: str, timeout: float | None, concurrency: int):

@@ -339,3 +339,17 @@ def test_client_side_failures_get_codes_too():
     unknown = error_from_exception(RuntimeError("boom"), 1)
     assert (unknown.code, unknown.index, unknown.status) == ("UNKNOWN", 1, None)
     assert unknown.to_json() == {"code": "UNKNOWN", "message": "RuntimeError: boom"}
+
+
+def test_an_http_client_is_shared_between_threads_and_refuses_work_once_closed():
+    client = ManyLoRAClient("127.0.0.1:1", protocol="http", concurrency=3)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(client.is_ready())) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [False] * 6
+    client.close()
+    with pytest.raises(ManyLoRAError, match="closed"):
+        client.extract("t", ENTITIES)
