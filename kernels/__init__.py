@@ -39,7 +39,7 @@ __all__ = [
 
 
 def default_backend(device: torch.device | str) -> str:
-    """"triton" on CUDA, "torch" elsewhere."""
+    """The triton backend on CUDA, the torch reference elsewhere."""
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
@@ -98,7 +98,8 @@ def lora_apply(
     """Semantics:
         for each token t with slot s = slot(t) >= 0:
             y[t, y_offset : y_offset + H_out] += scales[s] * (x[t] @ lora_a[s]ᵀ) @ lora_b[s]ᵀ
-        Rows of slot -1 are left untouched. Mutates y (and the scratch v); returns y.
+        Rows of slot -1 are left untouched.
+    Mutates y (and the scratch v) in place; returns y.
     """
     if v is None:
         v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)

@@ -41,10 +41,16 @@ def rank_block(max_rank: int) -> int:
 def device_table_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "default"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    return _cuda_table_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
+def _cuda_table_name(index: int) -> str:
+    # Asking the driver for the name costs tens of microseconds: once per device.
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+@functools.cache
 def load_table(name: str) -> dict:
     path = CONFIG_DIR / f"{name}.json"
     if not path.exists():

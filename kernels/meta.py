@@ -12,23 +12,25 @@ Running example (the comments below refer to it): 10 tokens, 4 segments, BLOCK_M
     slot_per_token     3   3   3   3   3  -1  -1   0   7   7
 
     segment            0 (slot 3)          1 (-1)  2   3 (slot 7)
-    seg_starts     [0, 5, 7, 8, 10, 10, ...]  int32 [S_cap + 1]; padding entries = T
-    seg_slots      [3, -1, 0, 7, -1, ...]     int32 [S_cap];     padding entries = -1
-    num_segments   [4]                        int32 [1]
+    seg_starts     [0, 5, 7, 8, 10, ...]   int32 [S_cap + 1]
+    seg_slots      [3, -1, 0, 7, ...]      int32 [S_cap]
+    num_segments   [4]                     int32 [1]
 
     tiles for BLOCK_M = 4 (segment 1 has slot -1: no tile)
-    tile               0   1   2   3   4 ...
-    tile_slot      [   3,  3,  0,  7, -1, ...]   int32 [tile_cap]; padding = -1
-    tile_start     [   0,  4,  7,  8,  0, ...]   first token of the tile
-    tile_end       [   4,  5,  8, 10,  0, ...]   one past its last token
-    num_tiles      [4]
+    tile               0   1   2   3
+    tile_slot      [   3,  3,  0,  7, ...]   int32 [tile_cap]
+    tile_start     [   0,  4,  7,  8, ...]   first token of the tile
+    tile_end       [   4,  5,  8, 10, ...]   one past its last token
+    num_tiles      [4]                       int32 [1]
+
+Entries past num_segments / num_tiles are never read (they may hold an older batch).
 
 A program for tile i computes tokens [tile_start[i], tile_end[i]) with adapter
 tile_slot[i]. Tiles are built for every BLOCK_M in BLOCK_M_CHOICES, so each kernel
 config can pick its own BLOCK_M without rebuilding anything.
 
-All arrays live in one int32 buffer preallocated for `max_tokens`, filled in place by
-device-side torch ops: building never waits for the GPU (no .item(), no nonzero()), and
+The arrays live in two int32 buffers preallocated for `max_tokens` (segments; tiles, one
+row per BLOCK_M), filled in place by device-side torch ops: building never waits for the GPU (no .item(), no nonzero()), and
 the buffer addresses stay fixed across forwards (CUDA-graph friendly). The only
 host-side number a launch needs is a bound on the tile count; it is
 cdiv(T, BLOCK_M) + segments_bound, where segments_bound is exact when the slots come
@@ -53,14 +55,30 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class SgmvTiles:
-    """Tiles of one BLOCK_M (views into the metadata buffer)."""
+    """Tiles of one BLOCK_M: one packed view of the metadata buffer,
+    tile_slot | tile_start | tile_end (tile_cap each) | num_tiles (1), so a kernel takes
+    one pointer and tile_cap instead of four pointers."""
 
     block_m: int
-    tile_slot: torch.Tensor  # int32 [tile_cap]
-    tile_start: torch.Tensor  # int32 [tile_cap]
-    tile_end: torch.Tensor  # int32 [tile_cap]
-    num_tiles: torch.Tensor  # int32 [1]
+    packed: torch.Tensor  # int32 [3 * tile_cap + 1]
+    tile_cap: int
     grid_bound: int  # host-side bound on num_tiles, sizes the launch grid
+
+    @property
+    def tile_slot(self) -> torch.Tensor:  # int32 [tile_cap]
+        return self.packed[: self.tile_cap]
+
+    @property
+    def tile_start(self) -> torch.Tensor:  # int32 [tile_cap]
+        return self.packed[self.tile_cap : 2 * self.tile_cap]
+
+    @property
+    def tile_end(self) -> torch.Tensor:  # int32 [tile_cap]
+        return self.packed[2 * self.tile_cap : 3 * self.tile_cap]
+
+    @property
+    def num_tiles(self) -> torch.Tensor:  # int32 [1]
+        return self.packed[3 * self.tile_cap :]
 
 
 @dataclass(frozen=True)
@@ -94,9 +112,11 @@ class SgmvMeta:
 
 
 class SgmvMetaBuilder:
-    """Owns the preallocated metadata buffer of one device; `build` fills it per forward.
+    """Owns the preallocated metadata buffers of one device; `build` fills them per forward.
 
-    A built SgmvMeta is a view of the buffer: it stays valid until the next `build`.
+    A built SgmvMeta is a view of the buffers: it stays valid until the next `build`.
+    Work and buffer entries touched scale with the batch, not with max_tokens; entries
+    past a batch's counts keep stale values that nothing reads.
     """
 
     def __init__(
@@ -108,28 +128,19 @@ class SgmvMetaBuilder:
         assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        seg_cap = max_tokens  # a segment has at least one token
-        self._seg_cap = seg_cap
-        self._tile_caps = {bm: _cdiv(max_tokens, bm) + seg_cap for bm in block_m_choices}
-        # Layout of the one buffer: seg_starts | seg_slots | num_segments | per BLOCK_M:
-        # tile_slot | tile_start | tile_end | num_tiles.
-        size = (seg_cap + 1) + seg_cap + 1 + sum(3 * cap + 1 for cap in self._tile_caps.values())
-        self._buffer = torch.empty(size, dtype=torch.int32, device=self.device)
-        offset = 0
-
-        def take(n: int) -> torch.Tensor:
-            nonlocal offset
-            view = self._buffer[offset : offset + n]
-            offset += n
-            return view
-
-        self._seg_starts = take(seg_cap + 1)
-        self._seg_slots = take(seg_cap)
-        self._num_segments = take(1)
-        self._tile_views = {}
-        for bm, cap in self._tile_caps.items():
-            self._tile_views[bm] = (take(cap), take(cap), take(cap), take(1))
-        self._arange = torch.arange(max(self._tile_caps.values()), dtype=torch.int64, device=self.device)
+        self.block_m_choices = tuple(block_m_choices)
+        # A segment has at least one token; a tile has at least one token and at most
+        # one partial tile per segment.
+        self._tile_cap = _cdiv(max_tokens, min(block_m_choices)) + max_tokens
+        self._segments = torch.empty(2 * max_tokens + 2, dtype=torch.int32, device=self.device)
+        self._seg_starts = self._segments[: max_tokens + 1]  # [S_cap + 1]
+        self._seg_slots = self._segments[max_tokens + 1 : 2 * max_tokens + 1]  # [S_cap]
+        self._num_segments = self._segments[2 * max_tokens + 1 :]  # [1]
+        # One row per BLOCK_M: tile_slot | tile_start | tile_end | num_tiles (SgmvTiles.packed).
+        cap = self._tile_cap
+        self._tiles = torch.empty(len(block_m_choices), 3 * cap + 1, dtype=torch.int32, device=self.device)
+        self._block_m = torch.tensor(block_m_choices, dtype=torch.int64, device=self.device)[:, None]
+        self._arange = torch.arange(cap, dtype=torch.int64, device=self.device)
 
     def build(
         self,
@@ -140,7 +151,7 @@ class SgmvMetaBuilder:
         max_rank: int | None = None,
         max_segments: int | None = None,
     ) -> SgmvMeta:
-        """Fill the buffer from a slot per row ([B] with rows of `row_len` tokens, T = B * row_len)
+        """Fill the buffers from a slot per row ([B] with rows of `row_len` tokens, T = B * row_len)
         or a slot per token ([T]); slot -1 means no adapter. Same-slot tokens should be
         contiguous (one segment per adapter); other orders work but make more segments.
 
@@ -169,6 +180,8 @@ class SgmvMetaBuilder:
         if units.device.type == "cpu":
             # The slots are on the host: count the segments exactly, for free.
             segments_bound = 1 + int((units[1:] != units[:-1]).sum())
+            if self.device.type == "cuda":
+                units = units.to(torch.int32).pin_memory()  # pinned: the copy below is truly asynchronous
         else:
             segments_bound = num_units if max_segments is None else min(max_segments, num_units)
         units = units.to(device=self.device, dtype=torch.int32, non_blocking=True)
@@ -179,42 +192,41 @@ class SgmvMetaBuilder:
         torch.ne(units[1:], units[:-1], out=new_segment[1:])
         seg_of_unit = torch.cumsum(new_segment, 0) - 1
         self._num_segments.copy_(seg_of_unit[-1:] + 1)
-        self._seg_starts.fill_(num_units)
-        self._seg_starts.scatter_reduce_(
-            0, seg_of_unit, self._arange[:num_units].to(torch.int32), reduce="amin"
-        )
+        seg_starts = self._seg_starts[: num_units + 1]
+        seg_starts.fill_(num_units)
+        seg_starts.scatter_reduce_(0, seg_of_unit, self._arange[:num_units].to(torch.int32), reduce="amin")
         if unit_len != 1:
-            self._seg_starts.mul_(unit_len)
-        self._seg_slots.fill_(-1)
-        self._seg_slots.scatter_(0, seg_of_unit, units)
+            seg_starts.mul_(unit_len)
+        seg_slots = self._seg_slots[:num_units]
+        seg_slots.fill_(-1)
+        seg_slots.scatter_(0, seg_of_unit, units)
 
-        # Tiles per BLOCK_M. Example, BLOCK_M = 4: segment lengths [5 2 1 2] -> tiles per
-        # segment [2 0 1 1] (slot -1 gets none) -> cumulative [2 2 3 4]; tile i belongs to
-        # the first segment whose cumulative count exceeds i: tiles 0,1 -> 0; 2 -> 2; 3 -> 3.
-        seg_len = self._seg_starts[1:] - self._seg_starts[:-1]
-        has_adapter = self._seg_slots >= 0
-        tiles = {}
-        for bm, (tile_slot, tile_start, tile_end, num_tiles) in self._tile_views.items():
-            cap = self._tile_caps[bm]
-            tiles_per_seg = torch.where(has_adapter, (seg_len + (bm - 1)) // bm, 0)
-            tiles_cum = torch.cumsum(tiles_per_seg, 0)
-            num_tiles.copy_(tiles_cum[-1:])
-            tile_ids = self._arange[:cap]
-            seg = torch.searchsorted(tiles_cum, tile_ids, right=True).clamp_(max=self._seg_cap - 1)
-            first_tile = tiles_cum[seg] - tiles_per_seg[seg]
-            start = self._seg_starts[seg] + (tile_ids - first_tile) * bm
-            valid = tile_ids < tiles_cum[-1]
-            tile_start.copy_(torch.where(valid, start, 0))
-            tile_end.copy_(torch.where(valid, torch.minimum(start + bm, self._seg_starts[seg + 1]), 0))
-            tile_slot.copy_(torch.where(valid, self._seg_slots[seg], -1))
-            tiles[bm] = SgmvTiles(
-                block_m=bm,
-                tile_slot=tile_slot,
-                tile_start=tile_start,
-                tile_end=tile_end,
-                num_tiles=num_tiles,
-                grid_bound=min(cap, _cdiv(num_tokens, bm) + segments_bound),
-            )
+        # Tiles, every BLOCK_M at once (rows of [C, ...]). Example, BLOCK_M = 4: segment
+        # lengths [5 2 1 2] -> tiles per segment [2 0 1 1] (slot -1 gets none) ->
+        # cumulative [2 2 3 4]; tile i belongs to the first segment whose cumulative count
+        # exceeds i: tiles 0,1 -> segment 0; 2 -> 2; 3 -> 3.
+        cap = self._tile_cap
+        block_m = self._block_m  # [C, 1]
+        seg_len = seg_starts[1:] - seg_starts[:-1]  # [U]; 0 past the last segment
+        tiles_per_seg = torch.where(seg_slots >= 0, (seg_len + (block_m - 1)) // block_m, 0)  # [C, U]
+        tiles_cum = torch.cumsum(tiles_per_seg, 1)  # [C, U]
+        self._tiles[:, 3 * cap].copy_(tiles_cum[:, -1])
+        grid_bounds = [min(cap, _cdiv(num_tokens, bm) + segments_bound) for bm in self.block_m_choices]
+        tile_ids = self._arange[: max(grid_bounds)].repeat(len(grid_bounds), 1)  # [C, N]
+        seg = torch.searchsorted(tiles_cum, tile_ids, right=True).clamp_(max=num_units - 1)
+        first_tile = tiles_cum.gather(1, seg) - tiles_per_seg.gather(1, seg)
+        start = seg_starts[seg] + (tile_ids - first_tile) * block_m
+        valid = tile_ids < tiles_cum[:, -1:]
+        n = tile_ids.shape[1]
+        self._tiles[:, :n].copy_(torch.where(valid, seg_slots[seg], -1))
+        self._tiles[:, cap : cap + n].copy_(torch.where(valid, start, 0))
+        self._tiles[:, 2 * cap : 2 * cap + n].copy_(
+            torch.where(valid, torch.minimum(start + block_m, seg_starts[seg + 1]), 0)
+        )
+        tiles = {
+            bm: SgmvTiles(block_m=bm, packed=self._tiles[i], tile_cap=cap, grid_bound=grid_bounds[i])
+            for i, bm in enumerate(self.block_m_choices)
+        }
         return SgmvMeta(
             num_tokens=num_tokens,
             seg_starts=self._seg_starts,

@@ -40,6 +40,7 @@ def sgmv_shrink_ref(
             v[t, :r] = x[t, :] @ lora_a[s, :r, :]ᵀ      [H_in] x [H_in, r] -> [r]
             v[t, r:R_max] = 0
         rows of slot -1 are left untouched.
+    Writes v in place and returns it.
     """
     r_max = lora_a.shape[1]
     ranks_host = None if ranks is None else ranks.tolist()
@@ -66,6 +67,7 @@ def sgmv_expand_ref(
         for each token t with slot s = slot(t) >= 0, r = rank(s):
             y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
         rows of slot -1 are left untouched.
+    Updates y in place and returns it.
     """
     h_out, r_max = lora_b.shape[1], lora_b.shape[2]
     ranks_host = None if ranks is None else ranks.tolist()

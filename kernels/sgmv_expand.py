@@ -32,26 +32,22 @@ from .meta import SgmvMeta
 @triton.jit
 def _sgmv_expand_kernel(
     # pointers
-    v_ptr,  # [T, >= R_max]
-    b_ptr,  # [num_slots, H_out, R_max]
-    y_ptr,  # [T, H_out] (a column slice of the caller's y), updated in place
+    v_ptr,  # [T, >= R_max], unit stride on R
+    b_ptr,  # [num_slots, H_out, R_max], unit stride on R
+    y_ptr,  # [T, >= y_offset + H_out] updated in place, unit stride on H
     scales_ptr,  # fp32 [num_slots]
     ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
-    tile_slot_ptr,  # int32 [tile_cap], meta.py
-    tile_start_ptr,  # int32 [tile_cap]
-    tile_end_ptr,  # int32 [tile_cap]
-    num_tiles_ptr,  # int32 [1]
+    tiles_ptr,  # int32 [3 * tile_cap + 1]: tile_slot | tile_start | tile_end | num_tiles (meta.py)
     # sizes
     h_out,
     rank_cap,  # min(R_max, meta.max_rank): rank columns at or past it are never read
+    tile_cap,
+    y_offset,  # first column of y written
     # strides (elements)
     stride_v_t,
-    stride_v_r,
     stride_b_slot,
     stride_b_h,
-    stride_b_r,
     stride_y_t,
-    stride_y_h,
     # meta-parameters
     BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
     BLOCK_N: tl.constexpr,  # output columns per program
@@ -65,12 +61,12 @@ def _sgmv_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < h_out
-    num_tiles = tl.load(num_tiles_ptr)
+    num_tiles = tl.load(tiles_ptr + 3 * tile_cap)
     # Grid-stride loop over tiles on axis 0 (see sgmv_shrink).
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-        tokens = tl.load(tile_start_ptr + tile) + offs_m
-        mask_m = tokens < tl.load(tile_end_ptr + tile)
+        slot = tl.load(tiles_ptr + tile).to(tl.int64)
+        tokens = tl.load(tiles_ptr + tile_cap + tile) + offs_m
+        mask_m = tokens < tl.load(tiles_ptr + 2 * tile_cap + tile)
         rank = rank_cap
         if HAS_RANKS:
             rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
@@ -79,11 +75,11 @@ def _sgmv_expand_kernel(
 
         rows = tokens.to(tl.int64)[:, None]
         v_tile = tl.load(
-            v_ptr + rows * stride_v_t + offs_r[None, :] * stride_v_r,
+            v_ptr + rows * stride_v_t + offs_r[None, :],
             mask=mask_m[:, None] & mask_r[None, :],
             other=0.0,
         )
-        b_ptrs = b_ptr + slot * stride_b_slot + offs_n[:, None] * stride_b_h + offs_r[None, :] * stride_b_r
+        b_ptrs = b_ptr + slot * stride_b_slot + offs_n[:, None] * stride_b_h + offs_r[None, :]
         if EVEN_N:
             b_tile = tl.load(b_ptrs, mask=mask_r[None, :], other=0.0)
         else:
@@ -94,7 +90,7 @@ def _sgmv_expand_kernel(
             b_tile = b_tile.to(tl.float32)
         acc = tl.dot(v_tile, tl.trans(b_tile), input_precision=DOT_PRECISION)
 
-        y_ptrs = y_ptr + rows * stride_y_t + offs_n[None, :] * stride_y_h
+        y_ptrs = y_ptr + rows * stride_y_t + y_offset + offs_n[None, :]
         if EVEN_N:
             y_mask = mask_m[:, None]
         else:
@@ -137,6 +133,9 @@ def sgmv_expand(
     assert scales.dtype == torch.float32 and scales.shape == (num_slots,), (
         f"scales must be fp32 [num_slots={num_slots}]"
     )
+    assert v.stride(1) == 1 and lora_b.stride(2) == 1 and y.stride(1) == 1, (
+        "v, lora_b and y need unit stride on their last axis"
+    )
     assert meta.num_tokens == num_tokens, f"meta has {meta.num_tokens} tokens, v has {num_tokens}"
     assert v.device == lora_b.device == y.device == scales.device == meta.device, (
         "v, lora_b, scales, y and meta must share a device"
@@ -148,19 +147,25 @@ def sgmv_expand(
     block_r = rank_block(rank_cap)
     assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
 
-    y_cols = y.narrow(1, y_offset, h_out)
     if config is None:
         config = get_config("sgmv_expand", y.device, num_tokens, h_out, block_r)
     tiles = meta.tiles(config["BLOCK_M"])
-    grid = (tiles.grid_bound, triton.cdiv(h_out, config["BLOCK_N"]))
+    grid = (tiles.grid_bound, -(-h_out // config["BLOCK_N"]))
     _sgmv_expand_kernel[grid](
-        v, lora_b, y_cols, scales,
-        tiles.tile_slot if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
-        tiles.tile_slot, tiles.tile_start, tiles.tile_end, tiles.num_tiles,
-        h_out, rank_cap,
-        v.stride(0), v.stride(1),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y_cols.stride(0), y_cols.stride(1),
+        v,
+        lora_b,
+        y,
+        scales,
+        tiles.packed if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
+        tiles.packed,
+        h_out,
+        rank_cap,
+        tiles.tile_cap,
+        y_offset,
+        v.stride(0),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        y.stride(0),
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"],
         BLOCK_R=block_r,

@@ -12,9 +12,9 @@ masked out of the loads, so padded rank costs neither bandwidth nor correctness.
 rank tile BLOCK_R is max(16, next pow2 >= max rank) because tl.dot needs N >= 16; the
 masked rows are zeros in the dot.
 
-Limits: T in one launch up to 2^31 / H_in rows of int32 tile indices (offsets are int64);
-BLOCK_R <= 128. No split-K: a batch of a few tokens with a large H_in runs on few
-programs (latency-bound, a few microseconds).
+Limits: token indices are int32 (memory offsets are int64); ranks up to 128 (BLOCK_R <=
+128). No split-K: a batch of a few tokens with a large H_in runs on few programs, which
+is latency-bound (a few microseconds, about one launch).
 """
 
 from __future__ import annotations
@@ -30,25 +30,20 @@ from .meta import SgmvMeta
 @triton.jit
 def _sgmv_shrink_kernel(
     # pointers
-    x_ptr,  # [T, H_in]
-    a_ptr,  # [num_slots, R_max, H_in]
-    v_ptr,  # [T, >= R_max] out
+    x_ptr,  # [T, H_in], unit stride on H_in
+    a_ptr,  # [num_slots, R_max, H_in], unit stride on H_in
+    v_ptr,  # [T, >= R_max] out, unit stride on R
     ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
-    tile_slot_ptr,  # int32 [tile_cap], meta.py
-    tile_start_ptr,  # int32 [tile_cap]
-    tile_end_ptr,  # int32 [tile_cap]
-    num_tiles_ptr,  # int32 [1]
+    tiles_ptr,  # int32 [3 * tile_cap + 1]: tile_slot | tile_start | tile_end | num_tiles (meta.py)
     # sizes
     h_in,
     rank_cap,  # min(R_max, meta.max_rank): rank rows/columns at or past it are never touched
+    tile_cap,
     # strides (elements)
     stride_x_t,
-    stride_x_h,
     stride_a_slot,
     stride_a_r,
-    stride_a_h,
     stride_v_t,
-    stride_v_r,
     # meta-parameters
     BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
     BLOCK_R: tl.constexpr,  # rank tile, >= 16
@@ -61,20 +56,20 @@ def _sgmv_shrink_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    num_tiles = tl.load(num_tiles_ptr)
+    num_tiles = tl.load(tiles_ptr + 3 * tile_cap)
     # Grid-stride loop: the grid is sized from a host bound (one tile per program when
     # it holds); any tiles beyond it are still done here.
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-        tokens = tl.load(tile_start_ptr + tile) + offs_m
-        mask_m = tokens < tl.load(tile_end_ptr + tile)
+        slot = tl.load(tiles_ptr + tile).to(tl.int64)
+        tokens = tl.load(tiles_ptr + tile_cap + tile) + offs_m
+        mask_m = tokens < tl.load(tiles_ptr + 2 * tile_cap + tile)
         rank = rank_cap
         if HAS_RANKS:
             rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
         mask_r = offs_r < rank
 
-        x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x_t + offs_k[None, :] * stride_x_h
-        a_ptrs = a_ptr + slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :] * stride_a_h
+        x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x_t + offs_k[None, :]
+        a_ptrs = a_ptr + slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k in range(0, tl.cdiv(h_in, BLOCK_K)):
             if EVEN_K:
@@ -88,10 +83,10 @@ def _sgmv_shrink_kernel(
                 x_tile = x_tile.to(tl.float32)
                 a_tile = a_tile.to(tl.float32)
             acc = tl.dot(x_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K * stride_x_h
-            a_ptrs += BLOCK_K * stride_a_h
+            x_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
 
-        v_ptrs = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_t + offs_r[None, :] * stride_v_r
+        v_ptrs = v_ptr + tokens.to(tl.int64)[:, None] * stride_v_t + offs_r[None, :]
         v_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
         tl.store(v_ptrs, acc.to(v_ptr.dtype.element_ty), mask=v_mask)
 
@@ -110,7 +105,7 @@ def sgmv_shrink(
         v[t, r:] is unspecified (zero within the rank tile); sgmv_expand never reads it.
         Rows of slot -1 (no adapter) are left untouched.
     Mutates v in place and returns it. Every adapter's rank must be <= meta.max_rank when
-    that is set. x and v may be strided views with unit stride on their last axis.
+    that is set. x, lora_a and v may be strided views with unit stride on their last axis.
     """
     assert x.dim() == 2 and lora_a.dim() == 3, "x must be [T, H_in], lora_a [num_slots, R_max, H_in]"
     num_tokens, h_in = x.shape
@@ -122,6 +117,9 @@ def sgmv_shrink(
         f"v must be [T={num_tokens}, >= R_max={r_max}], got {tuple(v.shape)}"
     )
     assert v.dtype in (torch.float32, x.dtype), f"v must be fp32 or {x.dtype}, got {v.dtype}"
+    assert x.stride(1) == 1 and lora_a.stride(2) == 1 and v.stride(1) == 1, (
+        "x, lora_a and v need unit stride on their last axis"
+    )
     assert meta.num_tokens == num_tokens, f"meta has {meta.num_tokens} tokens, x has {num_tokens}"
     assert x.device == lora_a.device == v.device == meta.device, "x, lora_a, v and meta must share a device"
     assert ranks is None or (ranks.dtype == torch.int32 and ranks.shape == (num_slots,)), (
@@ -136,13 +134,18 @@ def sgmv_shrink(
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound,)
     _sgmv_shrink_kernel[grid](
-        x, lora_a, v,
-        tiles.tile_slot if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
-        tiles.tile_slot, tiles.tile_start, tiles.tile_end, tiles.num_tiles,
-        h_in, rank_cap,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        v.stride(0), v.stride(1),
+        x,
+        lora_a,
+        v,
+        tiles.packed if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
+        tiles.packed,
+        h_in,
+        rank_cap,
+        tiles.tile_cap,
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        v.stride(0),
         BLOCK_M=config["BLOCK_M"],
         BLOCK_R=block_r,
         BLOCK_K=config["BLOCK_K"],

@@ -4,7 +4,6 @@ LoRA stacks, and the comparison against the float32 reference (TOLERANCES)."""
 from __future__ import annotations
 
 import torch
-
 from manylora.kernels import TOLERANCES
 
 PATTERNS = ("distinct", "uniform", "zipf", "identical", "skewed")
@@ -27,7 +26,7 @@ def make_slot_per_token(
         # As many rows as slots (fewer for tiny batches), cut at random points.
         num_rows = min(num_slots, num_tokens)
         cuts = sorted(torch.randperm(num_tokens - 1, generator=gen)[: num_rows - 1].add(1).tolist())
-        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, num_tokens])]
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, num_tokens], strict=True)]
     else:
         lengths = []
         while sum(lengths) < num_tokens:
@@ -52,15 +51,21 @@ def make_slot_per_token(
     if with_base:
         base_rows = torch.rand(num_rows, generator=gen) < 0.25
         base_rows[int(torch.randint(0, num_rows, (1,), generator=gen))] = True
-        slots = [-1 if b else s for s, b in zip(slots, base_rows.tolist())]
+        slots = [-1 if b else s for s, b in zip(slots, base_rows.tolist(), strict=True)]
 
     order = sorted(range(num_rows), key=lambda r: slots[r])
     return [slots[r] for r in order for _ in range(lengths[r])]
 
 
 def make_lora(
-    num_slots: int, r_max: int, h_in: int, h_out: int, dtype: torch.dtype, device: str,
-    gen: torch.Generator, ranks: torch.Tensor | None = None,
+    num_slots: int,
+    r_max: int,
+    h_in: int,
+    h_out: int,
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+    ranks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A [S, R_max, H_in], B [S, H_out, R_max], scales fp32 [S], scaled so that v and the
     update are ~N(0, 1). With ranks, the padding past each slot's rank is NaN: a kernel

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "perf" / "bench_kernels.py"
-NUMBERS = ("triton_us", "torch_loop_us", "floor_us", "over_floor", "speedup_vs_loop", "launch_us", "copy_bandwidth_gbps")
+NUMBERS = (
+    "triton_us",
+    "torch_loop_us",
+    "floor_us",
+    "over_floor",
+    "speedup_vs_loop",
+    "launch_us",
+    "copy_bandwidth_gbps",
+)
 
 
 @pytest.mark.smoke
@@ -16,7 +24,9 @@ def test_smoke_writes_json_lines(tmp_path):
     out = tmp_path / "bench.jsonl"
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

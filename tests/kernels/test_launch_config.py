@@ -1,7 +1,6 @@
 """Launch-config tables: complete, well-formed, and looked up with the documented precedence."""
 
 import pytest
-
 from manylora.kernels import BLOCK_M_CHOICES
 from manylora.kernels import launch_config as lc
 
@@ -26,7 +25,13 @@ def test_table_is_complete_and_valid(name):
 
 def test_buckets():
     assert [lc.token_bucket(t) for t in (1, 16, 17, 1024, 1025, 32768, 100000)] == [
-        16, 16, 64, 1024, 4096, 32768, 32768,
+        16,
+        16,
+        64,
+        1024,
+        4096,
+        32768,
+        32768,
     ]
     assert [lc.rank_block(r) for r in (1, 8, 16, 17, 64, 65, 128)] == [16, 16, 16, 32, 64, 128, 128]
 
@@ -44,7 +49,11 @@ def test_lookup_precedence(monkeypatch):
     lc._lookup.cache_clear()
     try:
         block_k = {
-            (768, 16): 32, (768, 64): 64, (1024, 32): 128, (1024, 16): 256, (768, 32): 64,
+            (768, 16): 32,
+            (768, 64): 64,
+            (1024, 32): 128,
+            (1024, 16): 256,
+            (768, 32): 64,
         }
         for (hidden, block_r), expected in block_k.items():
             config = lc._lookup("x", "sgmv_shrink", 64, hidden, block_r)

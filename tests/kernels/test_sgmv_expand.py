@@ -6,18 +6,29 @@ import dataclasses
 
 import pytest
 import torch
-from sgmv_cases import DTYPES, PATTERNS, assert_close, make_lora, make_slot_per_token
-
 from manylora.kernels import build_sgmv_meta, sgmv_expand_ref
 from manylora.kernels.launch_config import all_configs
 from manylora.kernels.sgmv_expand import sgmv_expand
+from sgmv_cases import DTYPES, PATTERNS, assert_close, make_lora, make_slot_per_token
 
 NUM_SLOTS = 12
 
 
 def run_and_check(
-    device, slot_per_token, h_out, r_max, dtype, *, ranks=None, v_dtype=torch.float32,
-    config=None, max_rank=None, y_width=None, y_offset=0, seed=0, meta=None,
+    device,
+    slot_per_token,
+    h_out,
+    r_max,
+    dtype,
+    *,
+    ranks=None,
+    v_dtype=torch.float32,
+    config=None,
+    max_rank=None,
+    y_width=None,
+    y_offset=0,
+    seed=0,
+    meta=None,
 ):
     gen = torch.Generator().manual_seed(seed)
     num_tokens = len(slot_per_token)

@@ -1,11 +1,10 @@
 """Public API: backends agree, lora_apply = shrink + expand, and the fused q/k/v recipe
 (one shrink over stacked A, three expands into column slices)."""
 
+import manylora.kernels as K
 import pytest
 import torch
 from sgmv_cases import assert_close, make_lora, make_slot_per_token
-
-import manylora.kernels as K
 
 
 def test_backends_agree(device):
@@ -16,8 +15,7 @@ def test_backends_agree(device):
     x = torch.randn(150, 80, generator=gen).to(device, torch.bfloat16)
     y0 = torch.randn(150, 48, generator=gen).to(device, torch.bfloat16)
     results = {
-        backend: K.lora_apply(x, y0.clone(), lora_a, lora_b, scales, meta, backend=backend)
-        for backend in K.BACKENDS
+        backend: K.lora_apply(x, y0.clone(), lora_a, lora_b, scales, meta, backend=backend) for backend in K.BACKENDS
     }
     assert_close(results["triton"], results["torch"], torch.bfloat16)
     assert not torch.equal(results["torch"], y0)
@@ -59,5 +57,11 @@ def test_shape_mismatch_is_refused(device):
     with pytest.raises(AssertionError, match="hidden size"):
         K.shrink(x, torch.randn(1, 16, 31, device=device), meta, torch.empty(2, 16, device=device))
     with pytest.raises(AssertionError, match="do not fit"):
-        K.expand(torch.randn(2, 16, device=device), torch.randn(1, 8, 16, device=device),
-                 torch.ones(1, device=device), meta, torch.randn(2, 10, device=device), y_offset=4)
+        K.expand(
+            torch.randn(2, 16, device=device),
+            torch.randn(1, 8, 16, device=device),
+            torch.ones(1, device=device),
+            meta,
+            torch.randn(2, 10, device=device),
+            y_offset=4,
+        )

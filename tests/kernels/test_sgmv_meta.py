@@ -2,26 +2,23 @@
 
 import pytest
 import torch
-from sgmv_cases import PATTERNS, make_slot_per_token
-
 from manylora.kernels import BLOCK_M_CHOICES, SgmvMetaBuilder, build_sgmv_meta
+from sgmv_cases import PATTERNS, make_slot_per_token
 
 
 def used(tiles):
     n = int(tiles.num_tiles)
-    return tiles.tile_slot[: n + 1].tolist(), tiles.tile_start[:n].tolist(), tiles.tile_end[:n].tolist()
+    return tiles.tile_slot[:n].tolist(), tiles.tile_start[:n].tolist(), tiles.tile_end[:n].tolist()
 
 
 def test_running_example_of_the_docstring(device):
-    meta = SgmvMetaBuilder(10, device, block_m_choices=(4,)).build(
-        slot_per_token=[3, 3, 3, 3, 3, -1, -1, 0, 7, 7]
-    )
+    meta = SgmvMetaBuilder(10, device, block_m_choices=(4,)).build(slot_per_token=[3, 3, 3, 3, 3, -1, -1, 0, 7, 7])
     assert meta.seg_starts[:6].tolist() == [0, 5, 7, 8, 10, 10]
     assert meta.seg_slots[:5].tolist() == [3, -1, 0, 7, -1]
     assert meta.num_segments.tolist() == [4]
     assert meta.segments() == [(0, 5, 3), (5, 7, -1), (7, 8, 0), (8, 10, 7)]
     tile_slot, tile_start, tile_end = used(meta.tiles(4))
-    assert tile_slot == [3, 3, 0, 7, -1]
+    assert tile_slot == [3, 3, 0, 7]
     assert tile_start == [0, 4, 7, 8]
     assert tile_end == [4, 5, 8, 10]
     assert meta.segments_bound == 4
@@ -46,10 +43,10 @@ def test_tiles_cover_exactly_the_adapter_tokens(device, pattern, with_base):
     for bm in BLOCK_M_CHOICES:
         tiles = meta.tiles(bm)
         tile_slot, tile_start, tile_end = used(tiles)
-        assert tile_slot[-1] == -1 and -1 not in tile_slot[:-1]
+        assert -1 not in tile_slot
         assert int(tiles.num_tiles) <= tiles.grid_bound
         covered = [-1] * len(slots)
-        for slot, start, end in zip(tile_slot, tile_start, tile_end):
+        for slot, start, end in zip(tile_slot, tile_start, tile_end, strict=True):
             assert 0 < end - start <= bm
             for t in range(start, end):
                 assert covered[t] == -1, "a token in two tiles"
@@ -72,7 +69,7 @@ def test_builder_is_reused_across_batches(device):
     assert first.segments() == [(0, 50, 4), (50, 64, 9)]
     second = builder.build(slot_per_row=[-1, 3, 3], row_len=5)
     assert second.segments() == [(0, 5, -1), (5, 15, 3)]
-    assert used(second.tiles(16)) == ([3, -1], [5], [15])
+    assert used(second.tiles(16)) == ([3], [5], [15])
     with pytest.raises(AssertionError, match="tokens"):
         builder.build(slot_per_token=[0] * 65)
 

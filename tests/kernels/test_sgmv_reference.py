@@ -3,9 +3,8 @@ kernel test trusts, so it is checked on its own), plus the torch backend's contr
 
 import pytest
 import torch
-from sgmv_cases import make_lora, make_slot_per_token
-
 from manylora.kernels import build_sgmv_meta, sgmv_expand_ref, sgmv_shrink_ref
+from sgmv_cases import make_lora, make_slot_per_token
 
 
 @pytest.mark.parametrize("with_ranks", [False, True])

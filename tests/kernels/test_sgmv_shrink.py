@@ -4,18 +4,28 @@ import dataclasses
 
 import pytest
 import torch
-from sgmv_cases import DTYPES, PATTERNS, assert_close, make_lora, make_slot_per_token, rank_mask
-
 from manylora.kernels import build_sgmv_meta, sgmv_shrink_ref
 from manylora.kernels.launch_config import all_configs
 from manylora.kernels.sgmv_shrink import sgmv_shrink
+from sgmv_cases import DTYPES, PATTERNS, assert_close, make_lora, make_slot_per_token, rank_mask
 
 NUM_SLOTS = 12
 
 
 def run_and_check(
-    device, slot_per_token, h_in, r_max, dtype, *, ranks=None, v_dtype=torch.float32,
-    config=None, max_rank=None, seed=0, meta=None, x=None,
+    device,
+    slot_per_token,
+    h_in,
+    r_max,
+    dtype,
+    *,
+    ranks=None,
+    v_dtype=torch.float32,
+    config=None,
+    max_rank=None,
+    seed=0,
+    meta=None,
+    x=None,
 ):
     gen = torch.Generator().manual_seed(seed)
     num_tokens = len(slot_per_token)
