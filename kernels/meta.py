@@ -12,30 +12,35 @@ Running example (the comments below refer to it): 10 tokens, 4 segments, BLOCK_M
     slot_per_token     3   3   3   3   3  -1  -1   0   7   7
 
     segment            0 (slot 3)          1 (-1)  2   3 (slot 7)
-    seg_starts     [0, 5, 7, 8, 10, ...]   int32 [S_cap + 1]
-    seg_slots      [3, -1, 0, 7, ...]      int32 [S_cap]
+    seg_starts     [0, 5, 7, 8, 10]        int32 [S + 1]
+    seg_slots      [3, -1, 0, 7]           int32 [S]
     num_segments   [4]                     int32 [1]
 
     tiles for BLOCK_M = 4 (segment 1 has slot -1: no tile)
     tile               0   1   2   3
-    tile_slot      [   3,  3,  0,  7, ...]   int32 [tile_cap]
-    tile_start     [   0,  4,  7,  8, ...]   first token of the tile
-    tile_end       [   4,  5,  8, 10, ...]   one past its last token
-    num_tiles      [4]                       int32 [1]
+    slot               3   3   0   7
+    start              0   4   7   8       first token of the tile
+    end                4   5   8  10       one past its last token
 
-Entries past num_segments / num_tiles are never read (they may hold an older batch).
+    packed tiles   [4,  3, 0, 4,  3, 4, 5,  0, 7, 8,  7, 8, 10, ...]   int32 [1 + 3 * tile_cap]
+                    ^num_tiles, then (slot, start, end) per tile
 
-A program for tile i computes tokens [tile_start[i], tile_end[i]) with adapter
-tile_slot[i]. Tiles are built for every BLOCK_M in BLOCK_M_CHOICES, so each kernel
-config can pick its own BLOCK_M without rebuilding anything.
+A program for tile i reads packed[1 + 3i : 4 + 3i] and computes tokens [start, end) with
+adapter `slot`. Tiles are built for every BLOCK_M in BLOCK_M_CHOICES (one packed row
+each), so each kernel config picks its own BLOCK_M without rebuilding anything. Entries
+past num_segments / num_tiles are never read (they may hold an older batch).
 
-The arrays live in two int32 buffers preallocated for `max_tokens` (segments; tiles, one
-row per BLOCK_M), filled in place by device-side torch ops: building never waits for the GPU (no .item(), no nonzero()), and
-the buffer addresses stay fixed across forwards (CUDA-graph friendly). The only
-host-side number a launch needs is a bound on the tile count; it is
-cdiv(T, BLOCK_M) + segments_bound, where segments_bound is exact when the slots come
-from the host and an upper bound otherwise. The kernels loop over tiles with a grid
-stride, so an undersized bound costs speed, never correctness.
+Two ways to build, same result:
+- slots on the host (a list or CPU tensor, the engine's usual case): computed with numpy
+  on exact sizes, then one asynchronous pinned copy of the used prefix of the tile rows.
+  The segments stay on the host (segments() costs no sync), and grid_bound is the exact
+  tile count.
+- slots already on the GPU: computed by device-side torch ops, never waiting for the GPU
+  (no .item(), no nonzero()); grid_bound is cdiv(T, BLOCK_M) + a segment bound.
+Either way the tile rows live in one buffer preallocated for `max_tokens`, at fixed
+addresses across forwards (CUDA-graph friendly). The kernels loop over tiles with a grid
+stride, so a grid smaller than the tile count (a graph captured on a smaller batch, a low
+segment bound) costs speed, never correctness.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # BLOCK_M values a launch config may use; tiles are precomputed for each.
@@ -55,30 +61,27 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class SgmvTiles:
-    """Tiles of one BLOCK_M: one packed view of the metadata buffer,
-    tile_slot | tile_start | tile_end (tile_cap each) | num_tiles (1), so a kernel takes
-    one pointer and tile_cap instead of four pointers."""
+    """Tiles of one BLOCK_M: a view of one packed row, num_tiles then (slot, start, end) per tile."""
 
     block_m: int
-    packed: torch.Tensor  # int32 [3 * tile_cap + 1]
-    tile_cap: int
+    packed: torch.Tensor  # int32 [1 + 3 * tile_cap]
     grid_bound: int  # host-side bound on num_tiles, sizes the launch grid
 
     @property
+    def num_tiles(self) -> torch.Tensor:  # int32 [1]
+        return self.packed[:1]
+
+    @property
     def tile_slot(self) -> torch.Tensor:  # int32 [tile_cap]
-        return self.packed[: self.tile_cap]
+        return self.packed[1::3]
 
     @property
     def tile_start(self) -> torch.Tensor:  # int32 [tile_cap]
-        return self.packed[self.tile_cap : 2 * self.tile_cap]
+        return self.packed[2::3]
 
     @property
     def tile_end(self) -> torch.Tensor:  # int32 [tile_cap]
-        return self.packed[2 * self.tile_cap : 3 * self.tile_cap]
-
-    @property
-    def num_tiles(self) -> torch.Tensor:  # int32 [1]
-        return self.packed[3 * self.tile_cap :]
+        return self.packed[3::3]
 
 
 @dataclass(frozen=True)
@@ -86,16 +89,13 @@ class SgmvMeta:
     """Segments and tiles of one batch; see the module docstring for the layout."""
 
     num_tokens: int  # T
-    seg_starts: torch.Tensor  # int32 [S_cap + 1]
-    seg_slots: torch.Tensor  # int32 [S_cap]
+    device: torch.device  # where the kernels run (the tiles' device)
+    seg_starts: torch.Tensor  # int32 [>= S + 1]; on the host when the slots came from the host
+    seg_slots: torch.Tensor  # int32 [>= S]
     num_segments: torch.Tensor  # int32 [1]
     segments_bound: int  # host: exact segment count, or an upper bound
     max_rank: int | None  # largest adapter rank in the batch (sizes the rank tile); None = the stack's R_max
     tiles_by_block_m: dict[int, SgmvTiles]
-
-    @property
-    def device(self) -> torch.device:
-        return self.seg_starts.device
 
     def tiles(self, block_m: int) -> SgmvTiles:
         assert block_m in self.tiles_by_block_m, (
@@ -104,7 +104,7 @@ class SgmvMeta:
         return self.tiles_by_block_m[block_m]
 
     def segments(self) -> list[tuple[int, int, int]]:
-        """(start, end, slot) per segment, on the host. Synchronizes; for references and tests."""
+        """(start, end, slot) per segment, on the host (synchronizes if the segments are on the GPU)."""
         count = int(self.num_segments.item())
         starts = self.seg_starts[: count + 1].tolist()
         slots = self.seg_slots[:count].tolist()
@@ -112,11 +112,10 @@ class SgmvMeta:
 
 
 class SgmvMetaBuilder:
-    """Owns the preallocated metadata buffers of one device; `build` fills them per forward.
+    """Owns the preallocated tile buffer of one device; `build` fills it per forward.
 
-    A built SgmvMeta is a view of the buffers: it stays valid until the next `build`.
-    Work and buffer entries touched scale with the batch, not with max_tokens; entries
-    past a batch's counts keep stale values that nothing reads.
+    A built SgmvMeta is a view of the buffer: it stays valid until the next `build`.
+    Work scales with the batch, not with max_tokens.
     """
 
     def __init__(
@@ -129,18 +128,9 @@ class SgmvMetaBuilder:
         self.max_tokens = max_tokens
         self.device = torch.device(device)
         self.block_m_choices = tuple(block_m_choices)
-        # A segment has at least one token; a tile has at least one token and at most
-        # one partial tile per segment.
+        # A tile has at least one token, and each segment adds at most one partial tile.
         self._tile_cap = _cdiv(max_tokens, min(block_m_choices)) + max_tokens
-        self._segments = torch.empty(2 * max_tokens + 2, dtype=torch.int32, device=self.device)
-        self._seg_starts = self._segments[: max_tokens + 1]  # [S_cap + 1]
-        self._seg_slots = self._segments[max_tokens + 1 : 2 * max_tokens + 1]  # [S_cap]
-        self._num_segments = self._segments[2 * max_tokens + 1 :]  # [1]
-        # One row per BLOCK_M: tile_slot | tile_start | tile_end | num_tiles (SgmvTiles.packed).
-        cap = self._tile_cap
-        self._tiles = torch.empty(len(block_m_choices), 3 * cap + 1, dtype=torch.int32, device=self.device)
-        self._block_m = torch.tensor(block_m_choices, dtype=torch.int64, device=self.device)[:, None]
-        self._arange = torch.arange(cap, dtype=torch.int64, device=self.device)
+        self._tiles = torch.zeros(len(block_m_choices), 1 + 3 * self._tile_cap, dtype=torch.int32, device=self.device)
 
     def build(
         self,
@@ -151,12 +141,12 @@ class SgmvMetaBuilder:
         max_rank: int | None = None,
         max_segments: int | None = None,
     ) -> SgmvMeta:
-        """Fill the buffers from a slot per row ([B] with rows of `row_len` tokens, T = B * row_len)
+        """Fill the buffer from a slot per row ([B] with rows of `row_len` tokens, T = B * row_len)
         or a slot per token ([T]); slot -1 means no adapter. Same-slot tokens should be
         contiguous (one segment per adapter); other orders work but make more segments.
 
         max_rank: largest rank of the batch's adapters (host int), or None.
-        max_segments: host bound on the segment count when the slots are a device tensor
+        max_segments: host bound on the segment count when the slots are a GPU tensor
         (for example distinct adapters + 1); it only sizes the grid.
         """
         assert (slot_per_row is None) != (slot_per_token is None), (
@@ -171,70 +161,107 @@ class SgmvMetaBuilder:
         if not isinstance(units, torch.Tensor):
             units = torch.tensor(list(units), dtype=torch.int32)
         assert units.dim() == 1, f"slots must be 1-D, got shape {tuple(units.shape)}"
-        num_units = units.numel()
-        num_tokens = num_units * unit_len
+        num_tokens = units.numel() * unit_len
         assert 1 <= num_tokens <= self.max_tokens, (
             f"batch has {num_tokens} tokens; this builder holds 1..{self.max_tokens}"
         )
-
         if units.device.type == "cpu":
-            # The slots are on the host: count the segments exactly, for free.
-            segments_bound = 1 + int((units[1:] != units[:-1]).sum())
-            if self.device.type == "cuda":
-                units = units.to(torch.int32).pin_memory()  # pinned: the copy below is truly asynchronous
-        else:
-            segments_bound = num_units if max_segments is None else min(max_segments, num_units)
-        units = units.to(device=self.device, dtype=torch.int32, non_blocking=True)
+            return self._build_on_host(units.numpy().astype(np.int64), unit_len, max_rank)
+        return self._build_on_device(units.to(self.device, torch.int32), unit_len, max_rank, max_segments)
 
-        # Segments over units (rows or tokens), then scaled to token offsets.
+    def _build_on_host(self, units: np.ndarray, unit_len: int, max_rank: int | None) -> SgmvMeta:
+        num_units = len(units)
+        # Example: units [3 3 3 3 3 -1 -1 0 7 7] -> segment starts (in units) [0 5 7 8 10].
+        unit_starts = np.concatenate(([0], np.flatnonzero(units[1:] != units[:-1]) + 1, [num_units]))
+        seg_starts = unit_starts * unit_len
+        seg_slots = units[unit_starts[:-1]]
+        seg_len = np.diff(seg_starts)
+        num_segments = len(seg_slots)
+
+        rows, counts = [], []
+        for bm in self.block_m_choices:
+            # Example, BLOCK_M = 4: lengths [5 2 1 2] -> tiles per segment [2 0 1 1].
+            tiles_per_seg = np.where(seg_slots >= 0, (seg_len + bm - 1) // bm, 0)
+            seg_of_tile = np.repeat(np.arange(num_segments), tiles_per_seg)  # [0 0 2 3]
+            first_tile = np.cumsum(tiles_per_seg) - tiles_per_seg  # [0 2 2 3]
+            start = seg_starts[seg_of_tile] + (np.arange(len(seg_of_tile)) - first_tile[seg_of_tile]) * bm
+            end = np.minimum(start + bm, seg_starts[seg_of_tile + 1])
+            rows.append(np.stack([seg_slots[seg_of_tile], start, end], axis=1).reshape(-1))
+            counts.append(len(seg_of_tile))
+        width = 1 + 3 * max(counts)
+        staged = np.zeros((len(rows), width), dtype=np.int32)
+        for i, (row, count) in enumerate(zip(rows, counts, strict=True)):
+            staged[i, 0] = count
+            staged[i, 1 : 1 + len(row)] = row
+        staged_tensor = torch.from_numpy(staged)
+        if self.device.type == "cuda":
+            staged_tensor = staged_tensor.pin_memory()  # pinned: the copy below is truly asynchronous
+        self._tiles[:, :width].copy_(staged_tensor, non_blocking=True)
+
+        return SgmvMeta(
+            num_tokens=num_units * unit_len,
+            device=self.device,
+            seg_starts=torch.from_numpy(seg_starts.astype(np.int32)),
+            seg_slots=torch.from_numpy(seg_slots.astype(np.int32)),
+            num_segments=torch.tensor([num_segments], dtype=torch.int32),
+            segments_bound=num_segments,
+            max_rank=max_rank,
+            tiles_by_block_m={
+                bm: SgmvTiles(block_m=bm, packed=self._tiles[i], grid_bound=max(1, counts[i]))
+                for i, bm in enumerate(self.block_m_choices)
+            },
+        )
+
+    def _build_on_device(
+        self, units: torch.Tensor, unit_len: int, max_rank: int | None, max_segments: int | None
+    ) -> SgmvMeta:
+        num_units = units.numel()
+        num_tokens = num_units * unit_len
+        device = units.device
+        arange = torch.arange(num_units + 1, dtype=torch.int64, device=device)
+        # Segments over units (rows or tokens), then scaled to token offsets. Sized by the
+        # unit count: entries past num_segments are padding (starts = T, slots = -1).
         # Example: units [3 3 3 3 3 -1 -1 0 7 7] -> seg_of_unit [0 0 0 0 0 1 1 2 3 3].
-        new_segment = torch.ones(num_units, dtype=torch.bool, device=self.device)
+        new_segment = torch.ones(num_units, dtype=torch.bool, device=device)
         torch.ne(units[1:], units[:-1], out=new_segment[1:])
         seg_of_unit = torch.cumsum(new_segment, 0) - 1
-        self._num_segments.copy_(seg_of_unit[-1:] + 1)
-        seg_starts = self._seg_starts[: num_units + 1]
-        seg_starts.fill_(num_units)
-        seg_starts.scatter_reduce_(0, seg_of_unit, self._arange[:num_units].to(torch.int32), reduce="amin")
-        if unit_len != 1:
-            seg_starts.mul_(unit_len)
-        seg_slots = self._seg_slots[:num_units]
-        seg_slots.fill_(-1)
+        num_segments = (seg_of_unit[-1:] + 1).to(torch.int32)
+        seg_starts = torch.full((num_units + 1,), num_units, dtype=torch.int64, device=device)
+        seg_starts.scatter_reduce_(0, seg_of_unit, arange[:num_units], reduce="amin")
+        seg_starts.mul_(unit_len)
+        seg_slots = torch.full((num_units,), -1, dtype=torch.int32, device=device)
         seg_slots.scatter_(0, seg_of_unit, units)
 
-        # Tiles, every BLOCK_M at once (rows of [C, ...]). Example, BLOCK_M = 4: segment
-        # lengths [5 2 1 2] -> tiles per segment [2 0 1 1] (slot -1 gets none) ->
-        # cumulative [2 2 3 4]; tile i belongs to the first segment whose cumulative count
-        # exceeds i: tiles 0,1 -> segment 0; 2 -> 2; 3 -> 3.
-        cap = self._tile_cap
-        block_m = self._block_m  # [C, 1]
+        # Tiles, every BLOCK_M at once (rows of [C, ...]); see _build_on_host for the example.
+        segments_bound = num_units if max_segments is None else max(1, min(max_segments, num_units))
+        block_m = torch.tensor(self.block_m_choices, dtype=torch.int64, device=device)[:, None]  # [C, 1]
         seg_len = seg_starts[1:] - seg_starts[:-1]  # [U]; 0 past the last segment
         tiles_per_seg = torch.where(seg_slots >= 0, (seg_len + (block_m - 1)) // block_m, 0)  # [C, U]
         tiles_cum = torch.cumsum(tiles_per_seg, 1)  # [C, U]
-        self._tiles[:, 3 * cap].copy_(tiles_cum[:, -1])
-        grid_bounds = [min(cap, _cdiv(num_tokens, bm) + segments_bound) for bm in self.block_m_choices]
-        tile_ids = self._arange[: max(grid_bounds)].repeat(len(grid_bounds), 1)  # [C, N]
+        grid_bounds = [min(self._tile_cap, _cdiv(num_tokens, bm) + segments_bound) for bm in self.block_m_choices]
+        count = max(grid_bounds)
+        tile_ids = torch.arange(count, dtype=torch.int64, device=device).repeat(len(grid_bounds), 1)  # [C, N]
+        # Tile i belongs to the first segment whose cumulative tile count exceeds i.
         seg = torch.searchsorted(tiles_cum, tile_ids, right=True).clamp_(max=num_units - 1)
         first_tile = tiles_cum.gather(1, seg) - tiles_per_seg.gather(1, seg)
         start = seg_starts[seg] + (tile_ids - first_tile) * block_m
-        valid = tile_ids < tiles_cum[:, -1:]
-        n = tile_ids.shape[1]
-        self._tiles[:, :n].copy_(torch.where(valid, seg_slots[seg], -1))
-        self._tiles[:, cap : cap + n].copy_(torch.where(valid, start, 0))
-        self._tiles[:, 2 * cap : 2 * cap + n].copy_(
-            torch.where(valid, torch.minimum(start + block_m, seg_starts[seg + 1]), 0)
-        )
-        tiles = {
-            bm: SgmvTiles(block_m=bm, packed=self._tiles[i], tile_cap=cap, grid_bound=grid_bounds[i])
-            for i, bm in enumerate(self.block_m_choices)
-        }
+        end = torch.minimum(start + block_m, seg_starts[seg + 1])
+        packed = torch.stack([seg_slots[seg].to(torch.int64), start, end], dim=2)  # [C, N, 3]
+        self._tiles[:, 0].copy_(tiles_cum[:, -1])
+        self._tiles[:, 1 : 1 + 3 * count].copy_(packed.view(len(grid_bounds), 3 * count))
+
         return SgmvMeta(
             num_tokens=num_tokens,
-            seg_starts=self._seg_starts,
-            seg_slots=self._seg_slots,
-            num_segments=self._num_segments,
+            device=self.device,
+            seg_starts=seg_starts.to(torch.int32),
+            seg_slots=seg_slots,
+            num_segments=num_segments,
             segments_bound=segments_bound,
             max_rank=max_rank,
-            tiles_by_block_m=tiles,
+            tiles_by_block_m={
+                bm: SgmvTiles(block_m=bm, packed=self._tiles[i], grid_bound=grid_bounds[i])
+                for i, bm in enumerate(self.block_m_choices)
+            },
         )
 
 

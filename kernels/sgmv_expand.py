@@ -37,11 +37,10 @@ def _sgmv_expand_kernel(
     y_ptr,  # [T, >= y_offset + H_out] updated in place, unit stride on H
     scales_ptr,  # fp32 [num_slots]
     ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
-    tiles_ptr,  # int32 [3 * tile_cap + 1]: tile_slot | tile_start | tile_end | num_tiles (meta.py)
+    tiles_ptr,  # int32 [1 + 3 * tile_cap]: num_tiles, then (slot, start, end) per tile (meta.py)
     # sizes
     h_out,
     rank_cap,  # min(R_max, meta.max_rank): rank columns at or past it are never read
-    tile_cap,
     y_offset,  # first column of y written
     # strides (elements)
     stride_v_t,
@@ -61,12 +60,12 @@ def _sgmv_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < h_out
-    num_tiles = tl.load(tiles_ptr + 3 * tile_cap)
+    num_tiles = tl.load(tiles_ptr)
     # Grid-stride loop over tiles on axis 0 (see sgmv_shrink).
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        slot = tl.load(tiles_ptr + tile).to(tl.int64)
-        tokens = tl.load(tiles_ptr + tile_cap + tile) + offs_m
-        mask_m = tokens < tl.load(tiles_ptr + 2 * tile_cap + tile)
+        slot = tl.load(tiles_ptr + 1 + 3 * tile).to(tl.int64)
+        tokens = tl.load(tiles_ptr + 2 + 3 * tile) + offs_m
+        mask_m = tokens < tl.load(tiles_ptr + 3 + 3 * tile)
         rank = rank_cap
         if HAS_RANKS:
             rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
@@ -160,7 +159,6 @@ def sgmv_expand(
         tiles.packed,
         h_out,
         rank_cap,
-        tiles.tile_cap,
         y_offset,
         v.stride(0),
         lora_b.stride(0),

@@ -34,11 +34,10 @@ def _sgmv_shrink_kernel(
     a_ptr,  # [num_slots, R_max, H_in], unit stride on H_in
     v_ptr,  # [T, >= R_max] out, unit stride on R
     ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
-    tiles_ptr,  # int32 [3 * tile_cap + 1]: tile_slot | tile_start | tile_end | num_tiles (meta.py)
+    tiles_ptr,  # int32 [1 + 3 * tile_cap]: num_tiles, then (slot, start, end) per tile (meta.py)
     # sizes
     h_in,
     rank_cap,  # min(R_max, meta.max_rank): rank rows/columns at or past it are never touched
-    tile_cap,
     # strides (elements)
     stride_x_t,
     stride_a_slot,
@@ -56,13 +55,13 @@ def _sgmv_shrink_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    num_tiles = tl.load(tiles_ptr + 3 * tile_cap)
+    num_tiles = tl.load(tiles_ptr)
     # Grid-stride loop: the grid is sized from a host bound (one tile per program when
     # it holds); any tiles beyond it are still done here.
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        slot = tl.load(tiles_ptr + tile).to(tl.int64)
-        tokens = tl.load(tiles_ptr + tile_cap + tile) + offs_m
-        mask_m = tokens < tl.load(tiles_ptr + 2 * tile_cap + tile)
+        slot = tl.load(tiles_ptr + 1 + 3 * tile).to(tl.int64)
+        tokens = tl.load(tiles_ptr + 2 + 3 * tile) + offs_m
+        mask_m = tokens < tl.load(tiles_ptr + 3 + 3 * tile)
         rank = rank_cap
         if HAS_RANKS:
             rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
@@ -141,7 +140,6 @@ def sgmv_shrink(
         tiles.packed,
         h_in,
         rank_cap,
-        tiles.tile_cap,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),

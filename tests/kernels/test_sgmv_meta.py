@@ -13,8 +13,8 @@ def used(tiles):
 
 def test_running_example_of_the_docstring(device):
     meta = SgmvMetaBuilder(10, device, block_m_choices=(4,)).build(slot_per_token=[3, 3, 3, 3, 3, -1, -1, 0, 7, 7])
-    assert meta.seg_starts[:6].tolist() == [0, 5, 7, 8, 10, 10]
-    assert meta.seg_slots[:5].tolist() == [3, -1, 0, 7, -1]
+    assert meta.seg_starts.tolist() == [0, 5, 7, 8, 10]
+    assert meta.seg_slots.tolist() == [3, -1, 0, 7]
     assert meta.num_segments.tolist() == [4]
     assert meta.segments() == [(0, 5, 3), (5, 7, -1), (7, 8, 0), (8, 10, 7)]
     tile_slot, tile_start, tile_end = used(meta.tiles(4))
@@ -22,6 +22,7 @@ def test_running_example_of_the_docstring(device):
     assert tile_start == [0, 4, 7, 8]
     assert tile_end == [4, 5, 8, 10]
     assert meta.segments_bound == 4
+    assert meta.tiles(4).packed[:13].tolist() == [4, 3, 0, 4, 3, 4, 5, 0, 7, 8, 7, 8, 10]
 
 
 def test_rows_and_tokens_agree(device):
@@ -58,9 +59,26 @@ def test_device_slots_use_the_given_bound(device):
     slots = torch.tensor([1, 1, 2, 2, 2, -1], dtype=torch.int32, device=device)
     meta = build_sgmv_meta(slot_per_token=slots, max_segments=3)
     assert meta.device.type == torch.device(device).type
-    expected_bound = 3 if device == "cuda" else 3  # host slots count exactly: also 3
-    assert meta.segments_bound == expected_bound
+    assert meta.segments_bound == 3  # the given bound on the GPU; counted exactly on the host
     assert meta.segments() == [(0, 2, 1), (2, 5, 2), (5, 6, -1)]
+
+
+@pytest.mark.parametrize("row_len", [None, 3])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_host_and_device_paths_agree(device, pattern, row_len):
+    """Host slots go through numpy, GPU slots through torch ops; both must give the same
+    segments and tiles (the device path runs on CPU tensors here when there is no GPU)."""
+    gen = torch.Generator().manual_seed(12)
+    slots = make_slot_per_token(pattern, 300, 20, True, gen)
+    kwargs = {"slot_per_row": slots, "row_len": row_len} if row_len else {"slot_per_token": slots}
+    host = SgmvMetaBuilder(900, device).build(**kwargs)
+    units = torch.tensor(slots, dtype=torch.int32, device=device)
+    on_device = SgmvMetaBuilder(900, device)._build_on_device(units, row_len or 1, None, None)
+    assert host.segments() == on_device.segments()
+    for bm in BLOCK_M_CHOICES:
+        assert used(host.tiles(bm)) == used(on_device.tiles(bm))
+        assert host.tiles(bm).grid_bound == int(host.tiles(bm).num_tiles) or int(host.tiles(bm).num_tiles) == 0
+        assert on_device.tiles(bm).grid_bound >= int(on_device.tiles(bm).num_tiles)
 
 
 def test_builder_is_reused_across_batches(device):
