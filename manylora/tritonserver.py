@@ -14,7 +14,9 @@ bundle); its backends are taken from `TRITON_BACKENDS` or else `<bin>/../backend
 The Python backend stub ignores PYTHONPATH: it builds its `sys.path` from the `python3`
 that comes first on PATH, site-packages and `.pth` files included. The server is
 therefore started with this interpreter's `bin/` (the virtualenv's) first on PATH, and
-`import manylora` inside a model.py resolves exactly as it does here.
+`import manylora` inside a model.py resolves exactly as it does here. The stub must also
+load this interpreter's own libpython (same patch release as the stdlib it will run), so
+its folder goes on LD_LIBRARY_PATH when it is not a system folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; NGC 24.10 runs 3.10
 
 STUB_NAME = "triton_python_backend_stub"
+# Searched by the dynamic linker anyway; putting them on LD_LIBRARY_PATH could only shadow.
+SYSTEM_LIB_DIRS = tuple(Path(d) for d in ("/lib", "/lib64", "/usr/lib", "/usr/lib64"))
 
 
 @dataclass(frozen=True)
@@ -129,13 +134,32 @@ def _backend_dir_with_stub(server_root: Path) -> Path:
     return target
 
 
+def python_lib_dir() -> Path | None:
+    """The folder of this interpreter's shared libpython, unless the system's linker finds it.
+
+    The stub links `libpython3.X.so.1.0` by soname. Without help the linker finds the
+    system's copy (Debian's 3.11.2 here), which then runs the stdlib and extension modules of
+    this interpreter (pyenv's 3.11.7): `_ssl` fails with "undefined symbol: _PyModule_Add".
+    """
+    lib_dir = sysconfig.get_config_var("LIBDIR")
+    soname = sysconfig.get_config_var("INSTSONAME")
+    if not (sysconfig.get_config_var("Py_ENABLE_SHARED") and lib_dir and soname):
+        return None
+    path = Path(lib_dir)
+    if not (path / soname).is_file() or any(path.is_relative_to(d) for d in SYSTEM_LIB_DIRS):
+        return None
+    return path
+
+
 def server_env(install: TritonInstall, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for tritonserver: this venv's bin/ first on PATH, wheel libs found."""
+    """The environment for tritonserver: this venv's bin/ first on PATH, libraries found."""
     env = dict(os.environ)
     # sys.prefix is the venv even when sys.executable was reached through a symlink.
     venv_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "")]).rstrip(os.pathsep)
     lib_path = [str(d) for d in install.lib_dirs]
+    if (libpython_dir := python_lib_dir()) is not None:
+        lib_path.append(str(libpython_dir))
     if env.get("LD_LIBRARY_PATH"):
         lib_path.append(env["LD_LIBRARY_PATH"])
     if lib_path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -59,6 +60,8 @@ def test_stub_imports_manylora_from_this_checkout(echo_server: TritonServer) -> 
     # manylora.kernels maps to the top-level kernels/ folder (package-dir in pyproject).
     assert Path(info["manylora.kernels"]).resolve() == REPO_ROOT / "kernels" / "__init__.py"
     assert Path(info["prefix"]).resolve() == Path(sys.prefix).resolve()
+    # Same patch release: the stub runs this interpreter's libpython, not the system's.
+    assert info["python"] == platform.python_version()
     assert info["numpy"].startswith("1.")  # numpy 2 breaks the 2.51 stub (DESIGN.md §8)
     assert info["tag"] == "committed"
 
