@@ -128,10 +128,6 @@ class Engine:
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {problems}") from None
         except (ValueError, TypeError) as exc:
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
-        if not any(data.get(k) for k in ("entities", "classifications", "relations", "structures")):
-            raise RequestError(
-                INVALID_ARG, "SCHEMA defines no task: give entities, classifications, relations or structures"
-            )
         (schema_dict,), (metadata,) = self.model._build_schema_dicts_and_metadata([schema])
         return schema_dict, metadata
 

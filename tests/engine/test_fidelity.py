@@ -128,7 +128,7 @@ def test_encoder_states_equal_transformers_on_checkpoint(tiny_engine, reference_
     (dict(text="   \n", schema='{"entities": ["a"]}'), "TEXT is empty"),
     (dict(text="x", schema="{not json"), "not valid JSON"),
     (dict(text="x", schema="[1, 2]"), "must be a JSON object"),
-    (dict(text="x", schema="{}"), "defines no task"),
+    (dict(text="x", schema="{}"), "At least one of entities"),
     (dict(text="x", schema='{"entities": []}'), "cannot be empty"),
     (dict(text="x", schema='{"entitys": ["a"]}'), "not a valid GLiNER2 schema"),
     (dict(text="x", schema='{"classifications": [{"task": "t", "labels": ["only"]}]}'), "labels"),
