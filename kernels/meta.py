@@ -126,7 +126,10 @@ class SgmvMetaBuilder:
     ):
         assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
         self.max_tokens = max_tokens
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
+        self.device = device
         self.block_m_choices = tuple(block_m_choices)
         # A tile has at least one token, and each segment adds at most one partial tile.
         self._tile_cap = _cdiv(max_tokens, min(block_m_choices)) + max_tokens
