@@ -36,9 +36,13 @@ def _copy_model(src: Path, dst: Path, checkpoint: Path, extra_parameters: str = 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, triton_server_factory, tiny_checkpoint):
+def server(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapters):
     repo = tmp_path_factory.mktemp("repo")
-    _copy_model(REPO_MODEL, repo / "gliner2", tiny_checkpoint, delay_us=BATCH_DELAY_US)
+    adapter_root = next(iter(demo_adapters.values())).parent
+    _copy_model(REPO_MODEL, repo / "gliner2", tiny_checkpoint, delay_us=BATCH_DELAY_US, extra_parameters=(
+        f'parameters {{ key: "adapter_dir" value: {{ string_value: "{adapter_root}" }} }}\n'
+        'parameters { key: "max_gpu_adapters" value: { string_value: "4" } }\n'
+        'parameters { key: "max_cpu_adapters" value: { string_value: "6" } }\n'))
     bad = {
         "gliner2_unknown_key": 'parameters { key: "gpu_slotz" value: { string_value: "4" } }\n',
         "gliner2_bad_value": 'parameters { key: "max_batch_tokens" value: { string_value: "lots" } }\n',
@@ -148,3 +152,44 @@ def test_missing_input_and_wrong_shape_are_invalid_arg(server):
     with pytest.raises(InferenceServerException) as info:
         client.infer("gliner2", inputs)
     assert "UTF-8" in info.value.message()
+
+
+@pytest.mark.parametrize("protocol_name", ["grpc", "http"])
+def test_client_mixed_adapters_equal_peft_per_adapter(server, demo_adapters, peft_reference, protocol_name):
+    """>= 8 adapters (ranks 4-64, some with head LoRA) and base rows in concurrent requests:
+    each answer equals GLiNER2 + PEFT with that adapter alone. 4 GPU slots force waves."""
+    from gliner2.inference.schema import Schema
+
+    from manylora.client import ManyLoRAClient
+
+    url = server.grpc_url if protocol_name == "grpc" else server.http_url
+    names = sorted(demo_adapters) + [""]
+    texts = demo_texts(2 * len(names), seed=21)
+    adapters = [names[i % len(names)] for i in range(len(texts))]
+    schema = demo_schemas()[0]
+    with ManyLoRAClient(url, protocol=protocol_name, concurrency=32) as client:
+        got = client.batch_extract(texts, schema, adapter=adapters, include_confidence=True)
+        entities = client.extract_entities(texts[0], ["person", "organization"], adapter="enc-heads-r16")
+    for text, adapter, answer in zip(texts, adapters, got):
+        model = peft_reference(demo_adapters[adapter] if adapter else None)
+        (expected,) = model.batch_extract([text], Schema.from_dict(schema), include_confidence=True)
+        assert not result_differences(answer, json.loads(json.dumps(expected))), adapter
+    expected = peft_reference(demo_adapters["enc-heads-r16"]).extract_entities(texts[0], ["person", "organization"])
+    assert entities == json.loads(json.dumps(expected))
+
+
+def test_client_api_mirrors_gliner2(server, reference_model):
+    from manylora.client import ManyLoRAClient
+
+    text = demo_texts(1, seed=22)[0]
+    with ManyLoRAClient(server.grpc_url) as client:
+        pairs = [
+            (client.classify_text(text, {"topic": ["business", "sport", "science"]}),
+             reference_model.classify_text(text, {"topic": ["business", "sport", "science"]})),
+            (client.extract_relations(text, ["works_for", "located_in"], include_confidence=True),
+             reference_model.extract_relations(text, ["works_for", "located_in"], include_confidence=True)),
+            (client.extract_json(text, {"deal": ["buyer::str", "kind::[cash|stock]"]}),
+             reference_model.extract_json(text, {"deal": ["buyer::str", "kind::[cash|stock]"]})),
+        ]
+    for got, expected in pairs:
+        assert not result_differences(got, json.loads(json.dumps(expected)))
