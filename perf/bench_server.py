@@ -78,13 +78,26 @@ def bench_repository(dst: Path, parameters: dict[str, str], instances: int, max_
     return dst
 
 
+def perf_analyzer_env() -> dict:
+    """perf_analyzer from the tritonclient wheel needs libcudart.so.12 (nvidia-cuda-runtime-cu12)."""
+    env = dict(os.environ)
+    try:
+        import nvidia.cuda_runtime
+
+        lib = Path(list(nvidia.cuda_runtime.__path__)[0]) / "lib"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(lib), env.get("LD_LIBRARY_PATH")]))
+    except ImportError:  # the GPU bundle / NGC image put it on the library path already
+        pass
+    return env
+
+
 def run_perf_analyzer(url: str, data: Path, csv_path: Path, *, concurrency: int | None = None,
                       rate: float | None = None, interval_ms: int = 8000, protocol: str = "grpc") -> dict:
-    cmd = ["perf_analyzer", "-m", "gliner2", "-i", protocol, "-u", url, "--input-data", str(data),
+    cmd = [shutil.which("perf_analyzer") or str(Path(sys.prefix) / "bin" / "perf_analyzer"), "-m", "gliner2", "-i", protocol, "-u", url, "--input-data", str(data),
            "--measurement-interval", str(interval_ms), "--percentile", "95", "-f", str(csv_path),
-           "--stability-percentage", "25", "--max-trials", "6"]
+           "--stability-percentage", "999", "--max-trials", "3"]
     cmd += ["--concurrency-range", str(concurrency)] if concurrency else ["--request-rate-range", str(rate)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=perf_analyzer_env())
     if proc.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     with open(csv_path) as f:
