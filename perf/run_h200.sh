@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One H200 session end to end: build the base demo checkpoint and 1,024 rank-16 adapters on
+# the GPU host (never committed), then the in-process engine benchmark and the server
+# benchmark (tritonserver + perf_analyzer). Results land in $OUT (default perf/results).
+#
+#   source .gpu-bundle/activate.sh; bash perf/run_h200.sh
+set -uo pipefail  # stages are independent: one failing still lets the next report
+OUT=${OUT:-perf/results}
+MODELS=${MODELS:-/tmp/manylora-models}
+ADAPTERS=${ADAPTERS:-1024}
+mkdir -p "$OUT" "$MODELS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+
+/usr/bin/time -f "demo-base built in %e s" python3 -m manylora.demo --size base --out "$MODELS/demo-base"
+python3 perf/bench_engine.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
+  --make-adapters "$ADAPTERS" --adapters-in-flight 1 32 "$ADAPTERS" --distributions uniform \
+  --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 1 --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
+  --hotswap-seconds ${HOTSWAP_SECONDS:-15} --out "$OUT/engine.jsonl"
+python3 perf/bench_server.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
+  --instances ${INSTANCES:-2} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
+  --concurrency ${CONCURRENCY:-256} --requests 1024 --interval-ms 5000 --out "$OUT/server.jsonl"
