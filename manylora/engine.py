@@ -42,6 +42,7 @@ NOT_FOUND = "NOT_FOUND"
 UNAVAILABLE = "UNAVAILABLE"
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 INTERNAL = "INTERNAL"
+PAD_MULTIPLE = 16
 
 
 class RequestError(Exception):
@@ -166,7 +167,8 @@ class Engine:
         chunks: list[list[Prepared]] = []
         current: list[Prepared] = []
         for item in sorted(group, key=lambda p: p.num_tokens):
-            if current and (len(current) + 1) * item.num_tokens > budget:
+            padded = -(-item.num_tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+            if current and (len(current) + 1) * padded > budget:
                 chunks.append(current)
                 current = []
             current.append(item)
@@ -185,13 +187,19 @@ class Engine:
         slot_per_row = [slots[p.adapter.name] if p.adapter is not None else -1 for p in chunk]
         batch = self.processor._pad_batch([p.record for p in chunk])
         batch = batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
+        # pad the length to a multiple of 16: fewer distinct GEMM/attention shapes, aligned tiles
+        pad = -batch.input_ids.shape[1] % PAD_MULTIPLE
+        input_ids = torch.nn.functional.pad(batch.input_ids, (0, pad))
+        attention_mask = torch.nn.functional.pad(batch.attention_mask, (0, pad))
         lora = None
         targets = {name for p in chunk if p.adapter is not None for name in p.adapter.modules}
         targets &= self.encoder_targets
         if targets:
-            lora = LoraBatch(self.store, self.meta_builder, slot_per_row, batch.input_ids.shape[1], targets,
+            if input_ids.numel() > self.meta_builder.max_tokens:  # one request above the budget
+                self.meta_builder = SgmvMetaBuilder(input_ids.numel(), self.device)
+            lora = LoraBatch(self.store, self.meta_builder, slot_per_row, input_ids.shape[1], targets,
                              self.config.backend)
-        hidden = self.encoder(batch.input_ids, batch.attention_mask, lora)
+        hidden = self.encoder(input_ids, attention_mask, lora)
         states = [hidden[row, : p.num_tokens] for row, p in enumerate(chunk)]
         return batch, states, slot_per_row
 

@@ -176,6 +176,10 @@ def main(argv=None) -> int:
     p.add_argument("--host-slots", type=int, default=128)
     p.add_argument("--max-rank", type=int, default=16)
     p.add_argument("--hotswap-seconds", type=float, default=20.0)
+    p.add_argument("--hotswap-at", type=int, nargs="*", default=None,
+                   help="adapters-in-flight values at which to run hotswap (default: all)")
+    p.add_argument("--cold", action="store_true",
+                   help="start every case with empty adapter caches (default: preload the pool, steady state)")
     p.add_argument("--words", type=int, nargs=2, default=[60, 120])
     p.add_argument("--schema", choices=["entities", "mixed"], default="entities")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run in seconds (harness check)")
@@ -235,11 +239,15 @@ def main(argv=None) -> int:
         for dist in args.distributions:
             chosen = pick_adapters(pool, n_requests, dist, seed=k)
             if "manylora" in args.modes:
-                engine.store.clear()  # cold caches for every case
+                engine.store.clear()
+                if not args.cold:  # steady state: the pool is resident as far as the tiers allow
+                    adapters = [engine.store.get(name) for name in pool]
+                    for i in range(0, len(adapters), args.gpu_slots):
+                        engine.store.acquire(adapters[i : i + args.gpu_slots])
                 r = run_engine_mode(engine, texts, schema, chosen, args.batch, args.warmup, device)
                 emit({"mode": "manylora", "adapters_in_flight": k, "distribution": dist, **r,
-                      "loads": dict(engine.store.loads)})
-            if "hotswap" in args.modes and dist == "uniform":
+                      "loads": dict(engine.store.loads), "caches": "cold" if args.cold else "preloaded"})
+            if "hotswap" in args.modes and dist == "uniform" and (args.hotswap_at is None or k in args.hotswap_at):
                 server = HotSwapServer(args.checkpoint, args.adapters, 25, device, dtype)
                 r = run_hotswap_mode(server, texts, schema, chosen, args.hotswap_seconds, device)
                 emit({"mode": "hotswap", "adapters_in_flight": k, "distribution": dist, **r})

@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--delay-us", type=int, default=2000)
     p.add_argument("--requests", type=int, default=2048, help="distinct requests in the input data")
     p.add_argument("--interval-ms", type=int, default=8000)
+    p.add_argument("--warmup-ms", type=int, default=5000, help="measurement window of the discarded warm-up run")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
@@ -154,6 +155,9 @@ def main(argv=None) -> int:
         for mode in args.modes:
             data = make_input_data(work / f"{mode}.json", args.requests, names if mode == "lora" else [],
                                    args.distribution)
+            # warm-up pass (discarded): adapters reach the caches, kernels compile, shapes are seen
+            run_perf_analyzer(url, data, work / f"{mode}-warmup.csv", concurrency=args.concurrency[0],
+                              interval_ms=args.warmup_ms)
             loads = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
             for kind, value in loads:
                 result = run_perf_analyzer(url, data, work / f"{mode}-{kind}-{value}.csv",

@@ -10,13 +10,14 @@ MODELS=${MODELS:-/tmp/manylora-models}
 ADAPTERS=${ADAPTERS:-1024}
 mkdir -p "$OUT" "$MODELS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export TRITONSERVER=${TRITONSERVER:-$(command -v tritonserver || true)}  # the GPU bundle / NGC image
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 
 /usr/bin/time -f "demo-base built in %e s" python3 -m manylora.demo --size base --out "$MODELS/demo-base"
 python3 perf/bench_engine.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
   --make-adapters "$ADAPTERS" --adapters-in-flight 1 32 "$ADAPTERS" --distributions uniform \
-  --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 1 --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
+  --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 2 --hotswap-at "$ADAPTERS" --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
   --hotswap-seconds ${HOTSWAP_SECONDS:-15} --out "$OUT/engine.jsonl"
 python3 perf/bench_server.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
   --instances ${INSTANCES:-2} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \

@@ -119,11 +119,13 @@ if __name__ == "__main__":
     main()
 
 
-def clone_random_adapters(template: Path, out_dir: Path, count: int, seed: int = 0, strength: float = 0.6,
+def clone_random_adapters(template: Path, out_dir: Path, count: int, seed: int = 0, strength: float = 0.1,
                           dtype: torch.dtype = torch.bfloat16) -> list[Path]:
     """``count`` adapters shaped like the PEFT-written ``template``: same config and keys,
     new seeded random weights. Fast enough for the 1,024-adapter benchmarks (PEFT would
-    rebuild the whole model per adapter)."""
+    rebuild the whole model per adapter). The default strength moves scores the way a
+    trained adapter does without wrecking the demo heads' calibration (measured on the tiny
+    demo, 5 entity labels: 3.2 spans per label base, 3.0 at 0.05, 6.7 at 0.2, 32 at 0.6)."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(Path(template) / "adapter_model.safetensors"))
