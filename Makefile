@@ -4,31 +4,38 @@ PY := $(VENV)/bin/python
 MODEL_REPOSITORY ?= model_repository
 DEMO_TINY := models/demo-tiny
 DEMO_BASE := models/demo-base
-# make serve CHECKPOINT=/path/to/gliner2-checkpoint  (default: the tiny demo checkpoint)
+DEMO_ADAPTERS := models/demo-tiny-adapters
+# make serve CHECKPOINT=/path/to/gliner2-checkpoint [ADAPTER_DIR=/path/to/adapters]
+# (default: the tiny demo checkpoint and its demo adapters)
 CHECKPOINT ?=
+ADAPTER_DIR ?=
 # make test PYTEST_ARGS="-k launcher -x"
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo serve test check
+.PHONY: help setup demo serve test check bench bench-gpu bench-server
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-7s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 setup: ## create .venv and install torch + manylora[serve,test,kernels] (idempotent)
 	@VENV=$(VENV) bash scripts/setup.sh
 
-demo: setup ## build the tiny and base demo checkpoints under models/
+demo: setup ## build the tiny and base demo checkpoints and the demo adapters under models/
 	$(PY) -m manylora.demo --size tiny --out $(DEMO_TINY)
+	$(PY) -m manylora.lora.demo_adapters --checkpoint $(DEMO_TINY) --out $(DEMO_ADAPTERS)
 	$(PY) -m manylora.demo --size base --out $(DEMO_BASE)
 
 serve: setup ## run tritonserver on model_repository (CHECKPOINT=dir serves another checkpoint)
 ifeq ($(CHECKPOINT),)
 	@test -d $(DEMO_TINY) || $(PY) -m manylora.demo --size tiny --out $(DEMO_TINY)
+	@test -d $(DEMO_ADAPTERS) || $(PY) -m manylora.lora.demo_adapters --checkpoint $(DEMO_TINY) --out $(DEMO_ADAPTERS)
 	$(PY) -m manylora.tritonserver --model-repository $(MODEL_REPOSITORY)
 else
+	@mkdir -p models/no-adapters
 	$(PY) -m manylora.tritonserver --model-repository $(MODEL_REPOSITORY) \
-		--parameter gliner2:checkpoint=$(abspath $(CHECKPOINT))
+		--parameter gliner2:checkpoint=$(abspath $(CHECKPOINT)) \
+		--parameter gliner2:adapter_dir=$(abspath $(or $(ADAPTER_DIR),models/no-adapters))
 endif
 
 test: setup ## run the test suite (real tritonserver included)
@@ -38,3 +45,15 @@ check: setup ## ruff format --check, ruff check, then the tests
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	@$(MAKE) --no-print-directory test
+
+bench: setup ## CPU smoke run of the engine benchmark (tiny model, a few minutes at most)
+	mkdir -p perf/results
+	$(PY) perf/bench_engine.py --smoke --out perf/results/engine-smoke.jsonl
+
+bench-gpu: ## the H200 run (engine + server); on a GPU host after `source .gpu-bundle/activate.sh`
+	bash perf/run_h200.sh
+
+bench-server: setup ## perf_analyzer against a running server (URL=localhost:8001 ADAPTERS=models/demo-tiny-adapters)
+	mkdir -p perf/results
+	$(PY) perf/bench_server.py --url $(or $(URL),localhost:8001) --adapters $(or $(ADAPTERS),$(DEMO_ADAPTERS)) \
+		--out perf/results/server.jsonl

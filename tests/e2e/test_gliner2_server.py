@@ -26,10 +26,12 @@ BATCH_DELAY_US = 300_000  # long queue delay so concurrent test requests share o
 
 
 def _copy_model(src: Path, dst: Path, checkpoint: Path, extra_parameters: str = "", delay_us: int | None = None):
+    """A copy of the committed model with its parameters replaced: the checkpoint, plus extras."""
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
     config = (dst / "config.pbtxt").read_text()
     config = re.sub(r'name: "gliner2"', f'name: "{dst.name}"', config, count=1)
-    config = config.replace('string_value: "../../models/demo-tiny"', f'string_value: "{checkpoint}"')
+    config = re.sub(r"parameters \{.*", "", config, flags=re.S)
+    config += f'parameters {{ key: "checkpoint" value: {{ string_value: "{checkpoint}" }} }}\n'
     if delay_us is not None:
         config = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}", config)
     (dst / "config.pbtxt").write_text(config + extra_parameters)

@@ -1,0 +1,77 @@
+"""The committed model repository: config.pbtxt declares the protocol's tensors and loads as it is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
+
+from manylora.config import ConfigError, EngineConfig
+from manylora.serving import check_model_config
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "gliner2"
+
+
+def _parsed_config() -> dict:
+    message = text_format.Parse((MODEL_DIR / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def test_config_pbtxt_declares_exactly_the_protocol_tensors():
+    config = _parsed_config()
+    check_model_config(config)  # raises on any difference
+    assert config["name"] == "gliner2" and config["backend"] == "python"
+    assert int(config["max_batch_size"]) > 0 and "dynamic_batching" in config
+
+
+def test_a_tensor_drift_is_caught():
+    config = _parsed_config()
+    config["input"][0]["data_type"] = "TYPE_FP32"
+    with pytest.raises(ValueError, match="do not match"):
+        check_model_config(config)
+
+
+def test_committed_parameters_load_as_they_are(tmp_path, tiny_checkpoint, demo_adapters):
+    # the committed relative paths point at models/ beside model_repository/ (what `make demo` builds)
+    model_dir = tmp_path / "model_repository" / "gliner2"
+    shutil.copytree(MODEL_DIR, model_dir)
+    (tmp_path / "models").mkdir()
+    os.symlink(tiny_checkpoint, tmp_path / "models" / "demo-tiny")
+    os.symlink(next(iter(demo_adapters.values())).parent, tmp_path / "models" / "demo-tiny-adapters")
+    config = EngineConfig.from_model_config(_parsed_config(), model_dir=model_dir)
+    assert config.checkpoint == (tmp_path / "models" / "demo-tiny").resolve()
+    assert config.max_gpu_adapters == 32 and config.max_cpu_adapters == 128
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"gpu_slots": "4"}, "unknown parameter"),
+    ({"max_gpu_adapters": "many"}, "'max_gpu_adapters'"),
+    ({"max_gpu_adapters": "0"}, "'max_gpu_adapters'"),
+    ({"dtype": "${DTYPE}"}, "unfilled template"),
+    ({"dtype": "float64"}, "'dtype'"),
+    ({"kernel_backend": "cuda"}, "'kernel_backend'"),
+    ({"max_gpu_adapters": "64", "max_cpu_adapters": "8"}, "max_cpu_adapters"),
+    ({"adapter_dir": "/no/such/folder"}, "'adapter_dir'"),
+    ({"dtype": "bfloat16"}, "needs a GPU"),
+])
+def test_bad_parameters_name_the_key(tiny_checkpoint, parameters, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **parameters})
+
+
+def test_checkpoint_is_mandatory_and_must_be_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="'checkpoint' is mandatory"):
+        EngineConfig.from_parameters({})
+    with pytest.raises(ConfigError, match="no config.json"):
+        EngineConfig.from_parameters({"checkpoint": str(tmp_path)})
+
+
+def test_triton_parameter_form_is_parsed_strictly(tiny_checkpoint):
+    good = {"parameters": {"checkpoint": {"string_value": str(tiny_checkpoint)}}}
+    assert EngineConfig.from_model_config(good).checkpoint == Path(tiny_checkpoint)
+    with pytest.raises(ConfigError, match="string_value"):
+        EngineConfig.from_model_config({"parameters": {"checkpoint": str(tiny_checkpoint)}})
