@@ -43,6 +43,13 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
+def _preload(key: str, raw: str) -> str:
+    names = [n.strip() for n in raw.split(",")]
+    if raw.strip() != "all" and not all(names):
+        raise ConfigError(f"parameter {key!r}: expected 'all' or a comma-separated list of adapter ids, got {raw!r}")
+    return raw.strip()
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -61,6 +68,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_batch_tokens: int = 65536
     kernel_backend: str = "auto"
+    preload_adapters: str = ""
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -74,6 +82,8 @@ class EngineConfig:
         "max_batch_tokens": (_positive_int, False, "token budget of one encoder forward; larger batches are split"),
         "kernel_backend": (_choice("auto", "triton", "torch"), False,
                            "SGMV kernels: auto = triton on GPU, torch (float32 reference) on CPU"),
+        "preload_adapters": (_preload, False,
+                             "adapters loaded at model load: 'all' (as many as the tiers hold) or a comma list"),
     }
 
     @property
@@ -118,6 +128,8 @@ class EngineConfig:
         checkpoint = values["checkpoint"]
         if "adapter_dir" in values and not values["adapter_dir"].is_dir():
             raise ConfigError(f"parameter 'adapter_dir': {values['adapter_dir']} is not a directory")
+        if values.get("preload_adapters") and "adapter_dir" not in values:
+            raise ConfigError("parameter 'preload_adapters' needs 'adapter_dir'")
         if values.get("max_cpu_adapters", 128) < values.get("max_gpu_adapters", 32):
             raise ConfigError("parameter 'max_cpu_adapters' must be >= 'max_gpu_adapters'")
         if not (checkpoint / "config.json").is_file():

@@ -106,6 +106,10 @@ class Engine:
             host_slots=config.max_cpu_adapters, device=self.device, dtype=self.dtype,
         )
         self.encoder_targets = set(self.encoder.linears())
+        if config.preload_adapters:
+            names = None if config.preload_adapters == "all" else config.preload_adapters.split(",")
+            loaded = self.store.preload(None if names is None else [n.strip() for n in names])
+            logger.info("preloaded %d adapters", len(loaded))
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
         self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
 

@@ -146,6 +146,7 @@ def main(argv=None) -> int:
                   "max_cpu_adapters": str(max(args.host_slots, args.gpu_slots)), "max_lora_rank": str(args.max_rank)}
         if args.adapters:
             params["adapter_dir"] = str(args.adapters.resolve())
+            params["preload_adapters"] = "all"  # steady state: the fleet is resident before traffic
         repo = bench_repository(work / "repo", params, args.instances, args.max_batch, args.delay_us)
         server = TritonServer(repo, log_file=work / "tritonserver.log")
         server.start(timeout=900)

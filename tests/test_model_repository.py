@@ -75,3 +75,11 @@ def test_triton_parameter_form_is_parsed_strictly(tiny_checkpoint):
     assert EngineConfig.from_model_config(good).checkpoint == Path(tiny_checkpoint)
     with pytest.raises(ConfigError, match="string_value"):
         EngineConfig.from_model_config({"parameters": {"checkpoint": str(tiny_checkpoint)}})
+
+
+def test_readme_documents_every_parameter():
+    readme = (MODEL_DIR.parents[1] / "README.md").read_text()
+    for key, (_, mandatory, _) in EngineConfig.PARAMETERS.items():
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{key}` |")), None)
+        assert row is not None, f"README's parameter table lacks {key}"
+        assert ("mandatory" in row) == mandatory, row

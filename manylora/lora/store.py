@@ -138,6 +138,23 @@ class AdapterStore:
         self._slot_owner[slot] = adapter
         self.loads["gpu"] += 1
 
+    def preload(self, names: Optional[Iterable[str]] = None) -> list[str]:
+        """Load adapters ahead of traffic: the named ones, or every folder of the root, as far as
+        the host tier holds them; the first ``gpu_slots`` of them also go to the GPU.
+        Returns the loaded names; a refused adapter is logged and skipped."""
+        if names is None:
+            names = sorted(p.name for p in self.root.iterdir() if (p / "adapter_model.safetensors").is_file())
+        loaded = []
+        for name in names:
+            if len(loaded) >= self.host_slots:
+                break
+            try:
+                loaded.append(self.get(name))
+            except AdapterError as exc:
+                logger.warning("preload: %s", exc.message)
+        self.acquire(loaded[: self.gpu_slots])
+        return [a.name for a in loaded]
+
     def clear(self) -> None:
         """Forget every resident adapter (both tiers); the slot tensors are kept."""
         with self._lock:

@@ -103,3 +103,12 @@ def test_refused_adapter_does_not_poison_the_store(store, tmp_path):
     assert "bad" not in store.resident()["host"]
     slots = store.acquire([store.get("a1")])
     assert torch.all(store.a["lin"][slots["a1"], :2] == 2.0)
+
+
+def test_preload_fills_host_then_gpu_and_skips_refused(store, tmp_path):
+    bad = _adapter(tmp_path, "a00-bad")
+    (bad / "adapter_model.safetensors").write_bytes(b"garbage")
+    loaded = store.preload()
+    assert loaded == ["a0", "a1", "a2"], "host tier holds 3; the refused one is skipped"
+    assert set(store.resident()["gpu"]) == {"a0", "a1"}
+    assert store.preload(["a5"]) == ["a5"] and "a5" in store.resident()["gpu"]
