@@ -18,7 +18,6 @@ import argparse
 import csv
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -26,8 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributions as the engine benchmark
+
 REPO_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "gliner2"
-ENTITY_SCHEMA = {"entities": ["person", "organization", "location", "date", "product"]}
 
 
 def adapter_names(folder: Path | None) -> list[str]:
@@ -42,15 +42,8 @@ def make_input_data(path: Path, count: int, adapters: list[str], distribution: s
     """perf_analyzer --input-data JSON: one entry per request, cycled by perf_analyzer."""
     from manylora.demo import demo_texts
 
-    rng = random.Random(seed)
     texts = demo_texts(count, seed=seed, min_words=words[0], max_words=words[1])
-    if not adapters:
-        chosen = [""] * count
-    elif distribution == "zipf":
-        weights = [1.0 / (rank + 1) ** 1.1 for rank in range(len(adapters))]
-        chosen = rng.choices(adapters, weights=weights, k=count)
-    else:
-        chosen = [rng.choice(adapters) for _ in range(count)]
+    chosen = pick_adapters(adapters, count, distribution, seed) if adapters else [""] * count
     data = [{
         "TEXT": {"content": [text], "shape": [1]},
         "SCHEMA": {"content": [json.dumps(schema)], "shape": [1]},
