@@ -195,3 +195,21 @@ def test_client_api_mirrors_gliner2(server, reference_model):
         ]
     for got, expected in pairs:
         assert not result_differences(got, json.loads(json.dumps(expected)))
+
+
+def test_server_benchmark_runs_perf_analyzer_against_the_server(server, demo_adapters, tmp_path):
+    """perf/bench_server.py drives perf_analyzer (from the tritonclient wheel) at the real server."""
+    import subprocess
+    import sys
+
+    perf = Path(__file__).resolve().parents[2] / "perf"
+    out = tmp_path / "server.jsonl"
+    adapter_root = next(iter(demo_adapters.values())).parent
+    proc = subprocess.run(
+        [sys.executable, str(perf / "bench_server.py"), "--url", server.grpc_url, "--adapters", str(adapter_root),
+         "--concurrency", "2", "--requests", "16", "--interval-ms", "2000", "--warmup-ms", "1000", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["base", "lora"]
+    assert all(r["req_per_s"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in rows)

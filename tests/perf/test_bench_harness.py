@@ -1,0 +1,43 @@
+"""The benchmark harnesses produce well-formed results (speed is never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PERF = Path(__file__).resolve().parents[2] / "perf"
+sys.path.insert(0, str(PERF))
+
+import bench_server  # noqa: E402
+
+
+def test_engine_benchmark_smoke_writes_every_mode(tmp_path):
+    out = tmp_path / "engine.jsonl"
+    proc = subprocess.run([sys.executable, str(PERF / "bench_engine.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"base", "manylora", "hotswap"}
+    for row in rows:
+        assert row["requests"] > 0 and row["req_per_s"] > 0 and row["errors"] == 0
+        assert row["batch_p50_ms"] <= row["batch_p95_ms"] <= row["batch_p99_ms"]
+        assert row["machine"]["torch"] and row["device"] == "cpu"
+    assert "x hotswap" in proc.stdout, "the ratio table is printed last"
+
+
+def test_perf_analyzer_input_data(tmp_path):
+    names = [f"adapter-{i:05d}" for i in range(50)]
+    path = bench_server.make_input_data(tmp_path / "data.json", 64, names, "zipf", seed=3)
+    data = json.loads(path.read_text())["data"]
+    assert len(data) == 64
+    for entry in data:
+        assert set(entry) == {"TEXT", "SCHEMA", "ADAPTER_ID", "THRESHOLD", "INCLUDE_CONFIDENCE", "INCLUDE_SPANS"}
+        assert all(value["shape"] == [1] and len(value["content"]) == 1 for value in entry.values())
+        assert entry["ADAPTER_ID"]["content"][0] in names
+        json.loads(entry["SCHEMA"]["content"][0])
+    chosen = [e["ADAPTER_ID"]["content"][0] for e in data]
+    assert chosen.count(names[0]) > chosen.count(names[-1]), "Zipf favours the first adapters"
+    base = json.loads(bench_server.make_input_data(tmp_path / "b.json", 8, [], "uniform").read_text())["data"]
+    assert all(e["ADAPTER_ID"]["content"] == [""] for e in base)
