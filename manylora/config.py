@@ -67,6 +67,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     dtype: str = "auto"
     max_batch_tokens: int = 65536
+    max_request_tokens: int = 4096
     kernel_backend: str = "auto"
     preload_adapters: str = ""
     device: str = "cpu"
@@ -80,6 +81,8 @@ class EngineConfig:
         "max_lora_rank": (_positive_int, False, "largest adapter rank accepted; GPU slots are sized for it (default 64)"),
         "dtype": (_choice("auto", *DTYPES), False, "auto = bfloat16 on GPU, float32 on CPU"),
         "max_batch_tokens": (_positive_int, False, "token budget of one encoder forward; larger batches are split"),
+        "max_request_tokens": (_positive_int, False,
+                               "longest request (schema + text tokens) accepted; longer ones get INVALID_ARG"),
         "kernel_backend": (_choice("auto", "triton", "torch"), False,
                            "SGMV kernels: auto = triton on GPU, torch (float32 reference) on CPU"),
         "preload_adapters": (_preload, False,

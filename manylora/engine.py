@@ -36,13 +36,14 @@ from manylora.lora.store import AdapterStore, plan_waves
 
 logger = logging.getLogger(__name__)
 
-# Triton error codes used by the serving layer (pb_utils.TritonError.<CODE>)
+# Triton error codes used by the serving layer (pb_utils.TritonError.<CODE>); Triton has no
+# RESOURCE_EXHAUSTED: running out of memory is UNAVAILABLE (retry later, or smaller)
 INVALID_ARG = "INVALID_ARG"
 NOT_FOUND = "NOT_FOUND"
 UNAVAILABLE = "UNAVAILABLE"
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 INTERNAL = "INTERNAL"
 PAD_MULTIPLE = 16
+CHARS_PER_TOKEN_BOUND = 32  # a text this many characters per allowed token is refused untokenized
 
 
 class RequestError(Exception):
@@ -140,6 +141,10 @@ class Engine:
         """Validate and tokenize one request; raises RequestError."""
         if not isinstance(request.text, str) or not request.text.strip():
             raise RequestError(INVALID_ARG, "TEXT is empty")
+        limit = self.config.max_request_tokens
+        if len(request.text) > CHARS_PER_TOKEN_BOUND * limit:  # refuse before paying for tokenization
+            raise RequestError(INVALID_ARG, f"TEXT has {len(request.text)} characters, far above the limit of "
+                                            f"{limit} tokens (max_request_tokens); split it into chunks")
         adapter = None
         if request.adapter:
             try:
@@ -151,6 +156,9 @@ class Engine:
             record = self.processor.transform_record(request.text, schema_dict)
         except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
             raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
+        if len(record.input_ids) > limit:
+            raise RequestError(INVALID_ARG, f"text and schema are {len(record.input_ids)} tokens, above the limit of "
+                                            f"{limit} (max_request_tokens); split the text into chunks")
         return Prepared(index, request, record, metadata, len(record.input_ids), adapter)
 
     def _chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
@@ -268,6 +276,16 @@ class Engine:
             batch, states, slot_per_row = self.forward(chunk)
             for p, out in zip(chunk, self.decode(chunk, batch, states, slot_per_row)):
                 results[p.index] = out
+        except torch.cuda.OutOfMemoryError:
+            if len(chunk) == 1:
+                results[chunk[0].index] = RequestError(
+                    UNAVAILABLE, "out of GPU memory for this single request; retry later or send a shorter text")
+                return
+            torch.cuda.empty_cache()
+            half = len(chunk) // 2
+            logger.warning("out of GPU memory on a batch of %d; splitting it", len(chunk))
+            self._run_chunk(chunk[:half], results)
+            self._run_chunk(chunk[half:], results)
         except Exception as exc:
             if len(chunk) > 1:
                 # isolate the failing request: the others are still answered

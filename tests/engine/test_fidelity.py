@@ -143,3 +143,33 @@ def test_bad_requests_fail_alone(tiny_engine, reference_model, request_kwargs, m
     assert message in got[1].message
     (expected,) = _reference(reference_model, [(good.text, json.loads(good.schema))])
     assert not result_differences(got[0], expected) and not result_differences(got[2], expected)
+
+
+def test_long_texts_are_refused_with_the_limit(tiny_checkpoint):
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "max_request_tokens": "64"}))
+    schema = json.dumps({"entities": ["person"]})
+    short, long_, huge = "Ada met Grace.", " ".join(["word"] * 100), "x" * 10_000
+    got = engine.run([Request(short, schema), Request(long_, schema), Request(huge, schema)])
+    assert isinstance(got[0], dict)
+    assert got[1].code == "INVALID_ARG" and "above the limit of 64" in got[1].message
+    assert got[2].code == "INVALID_ARG" and "characters" in got[2].message
+
+
+def test_out_of_memory_splits_the_batch(tiny_engine, reference_model, monkeypatch):
+    cases = _cases()[:8]
+    real_forward = tiny_engine.forward
+    sizes = []
+
+    def forward(chunk):
+        sizes.append(len(chunk))
+        if len(chunk) > 2:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return real_forward(chunk)
+
+    monkeypatch.setattr(tiny_engine, "forward", forward)
+    got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+    assert sizes[0] == 8 and max(sizes[1:]) <= 4 and 2 in sizes
+    _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
