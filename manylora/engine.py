@@ -107,6 +107,8 @@ class Engine:
             host_slots=config.max_cpu_adapters, device=self.device, dtype=self.dtype,
         )
         self.encoder_targets = set(self.encoder.linears())
+        self.head_names = frozenset(self.heads.linears)
+        self.heads.bind(self.store)
         if config.preload_adapters:
             names = None if config.preload_adapters == "all" else config.preload_adapters.split(",")
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
@@ -217,28 +219,14 @@ class Engine:
 
     # ------------------------------------------------------------------ post
     def decode(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[dict]:
-        """GLiNER2's heads and decoders; rows whose adapter adapts a head run as one group
-        per adapter with that adapter's head LoRA active."""
-        head_names = set(self.heads.linears)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for row, (p, slot) in enumerate(zip(chunk, slot_per_row)):
-            has_heads = p.adapter is not None and not head_names.isdisjoint(p.adapter.modules)
-            groups[slot if has_heads else -1].append(row)
-        if len(groups) == 1 and -1 in groups:
+        """GLiNER2's heads and decoders for the whole chunk; each row's head LoRA applies to it."""
+        head_names = self.head_names
+        row_slots = [
+            slot if p.adapter is not None and not head_names.isdisjoint(p.adapter.modules) else -1
+            for p, slot in zip(chunk, slot_per_row)
+        ]
+        with self.heads.batch(batch, row_slots):
             return self._decode_rows(chunk, batch, states)
-        out: list = [None] * len(chunk)
-        for slot, rows in groups.items():
-            sub = [chunk[r] for r in rows]
-            sub_batch = self.processor._pad_batch([p.record for p in sub])
-            sub_batch = sub_batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
-            if slot >= 0:
-                with self.heads.active(self.store, slot):
-                    results = self._decode_rows(sub, sub_batch, [states[r] for r in rows])
-            else:
-                results = self._decode_rows(sub, sub_batch, [states[r] for r in rows])
-            for r, result in zip(rows, results):
-                out[r] = result
-        return out
 
     def _decode_rows(self, chunk: Sequence[Prepared], batch, states) -> list[dict]:
         threshold, include_confidence, include_spans = chunk[0].options

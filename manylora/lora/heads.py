@@ -1,15 +1,29 @@
-"""Adapter-aware GLiNER2 heads: one adapter active at a time, set per group of rows.
+"""Adapter-aware GLiNER2 heads: every row of a mixed batch gets its own adapter's head LoRA.
 
-GLiNER2's span/count/classifier heads run through GLiNER2's own decoding code. The
-engine decodes each adapter's rows as one group, with that adapter's head LoRA active
-(``HeadLoras.active``); the encoder, which holds nearly all the work, stays one mixed
-SGMV batch.
+GLiNER2's span/count/classifier heads run inside GLiNER2's own decoding code, which calls
+them on tensors whose rows belong to different requests:
+
+* ``count_pred`` on one stacked row per (request, span task),
+* ``span_rep``'s token projections on ``[requests, tokens, hidden]``,
+* ``count_embed`` once per (request, span task), ``classifier`` once per (request, task).
+
+Each head ``nn.Linear`` is wrapped by ``HeadLoraLinear``, which adds
+``scale[slot] * (x A[slot]^T) B[slot]^T`` with the slot either per leading row of its
+input (``rows``) or one for the whole call (``single``). ``HeadLoras.bind`` replaces two
+methods on the GLiNER2 instance so that the slots are set around each of those calls:
+our own span-logit batching (the same computation as GLiNER2's
+``_compute_direct_span_logits_batched``, with the row slots known) and a thin wrapper of
+``_compute_classification_probabilities``. The decoding itself stays GLiNER2's.
+
+Where GLiNER2 reads a head weight directly instead of calling the module (the two
+``out_project`` layers in ``score_queries``), PEFT's LoRA is not applied by GLiNER2
+either; serving does the same, so answers still equal GLiNER2 + PEFT.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -17,16 +31,20 @@ from torch import nn
 from manylora.lora.store import AdapterStore
 
 HEAD_MODULES = ("span_rep", "classifier", "count_pred", "count_embed")
+SPAN_TASK_MARKERS = ("[E]", "[C]", "[R]")
 
 
 class HeadLoraLinear(nn.Module):
-    def __init__(self, base: nn.Linear):
+    def __init__(self, name: str, base: nn.Linear, store_ref: "HeadLoras"):
         super().__init__()
+        self.name = name
         self.base = base
-        self.delta: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None  # (A [r,in], B [out,r], scale)
+        self._heads = store_ref
+        self.rows: Optional[torch.Tensor] = None  # [N] slot per leading row of the input (-1 = none)
+        self.single: Optional[int] = None  # one slot for the whole call
 
     @property
-    def weight(self) -> torch.Tensor:  # GLiNER2 reads .weight.dtype / .device in places
+    def weight(self) -> torch.Tensor:  # GLiNER2 reads .weight of some head layers directly
         return self.base.weight
 
     @property
@@ -35,17 +53,33 @@ class HeadLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.delta is not None:
-            a, b, scale = self.delta
-            y = y + scale * torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)
-        return y
+        store = self._heads.store
+        if store is None or (self.rows is None and self.single is None):
+            return y
+        a_all, b_all, scales = store.a[self.name], store.b[self.name], store.scales[self.name]
+        if self.single is not None:
+            slot = self.single
+            delta = nn.functional.linear(nn.functional.linear(x, a_all[slot]), b_all[slot])
+            return y + delta * scales[slot].to(y.dtype)
+        slots = self.rows
+        index = slots.clamp(min=0)
+        scale = scales.index_select(0, index) * (slots >= 0)  # [N]
+        n = x.shape[0]
+        flat = x.reshape(n, -1, x.shape[-1])  # [N, M, in]
+        v = torch.bmm(flat, a_all.index_select(0, index).transpose(1, 2))  # [N, M, R]
+        delta = torch.bmm(v, b_all.index_select(0, index).transpose(1, 2))  # [N, M, out]
+        return y + (delta * scale.view(n, 1, 1).to(delta.dtype)).reshape(y.shape)
 
 
 class HeadLoras:
-    """Wraps every nn.Linear under GLiNER2's head modules, in place."""
+    """Wraps every nn.Linear under GLiNER2's head modules, in place, and routes slots to them."""
 
     def __init__(self, model: nn.Module):
+        self.model = model
+        self.store: Optional[AdapterStore] = None
         self.linears: dict[str, HeadLoraLinear] = {}
+        self.row_slots: Optional[Sequence[int]] = None  # slot per row of the batch being decoded
+        self._schema_slot: dict[int, int] = {}
         for prefix in HEAD_MODULES:
             root = getattr(model, prefix, None)
             if root is None:
@@ -54,24 +88,113 @@ class HeadLoras:
                 if isinstance(module, nn.Linear):
                     parent_name, _, child = name.rpartition(".")
                     parent = root.get_submodule(parent_name) if parent_name else root
-                    wrapper = HeadLoraLinear(module)
+                    full = f"{prefix}.{name}"
+                    wrapper = HeadLoraLinear(full, module, self)
                     setattr(parent, child, wrapper)
-                    self.linears[f"{prefix}.{name}"] = wrapper
+                    self.linears[full] = wrapper
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {n: (m.base.in_features, m.base.out_features) for n, m in self.linears.items()}
 
+    def bind(self, store: AdapterStore) -> None:
+        """Route GLiNER2's head calls through the per-row slots (see the module docstring)."""
+        self.store = store
+        model = self.model
+        classification = model._compute_classification_probabilities
+        model._compute_direct_span_logits_batched = self._span_logits
+
+        def classification_probabilities(schema, embs, schema_tokens, *args, **kwargs):
+            with self._set(("classifier",), single=self._schema_slot.get(id(schema), -1)):
+                return classification(schema, embs, schema_tokens, *args, **kwargs)
+
+        model._compute_classification_probabilities = classification_probabilities
+
     @contextmanager
-    def active(self, store: AdapterStore, slot: int):
-        """Apply the head modules of the adapter in GPU ``slot`` while the block runs."""
-        adapter = store.owner(slot)
+    def batch(self, batch, row_slots: Sequence[int]):
+        """Decode ``batch`` with ``row_slots[i]`` as row i's adapter slot (-1 = base)."""
+        self.row_slots = list(row_slots)
+        self._schema_slot = {id(schema): slot for schema, slot in zip(batch.original_schemas, row_slots)}
         try:
-            for name, module in adapter.modules.items():
-                wrapper = self.linears.get(name)
-                if wrapper is not None:
-                    r = module.rank
-                    wrapper.delta = (store.a[name][slot, :r], store.b[name][slot, :, :r], module.scale)
             yield
         finally:
-            for wrapper in self.linears.values():
-                wrapper.delta = None
+            self.row_slots, self._schema_slot = None, {}
+
+    @contextmanager
+    def _set(self, prefixes: tuple[str, ...], rows: Optional[Sequence[int]] = None, single: Optional[int] = None):
+        active = self.row_slots is not None and (
+            (rows is not None and any(s >= 0 for s in rows)) or (single is not None and single >= 0))
+        chosen = [m for n, m in self.linears.items() if n.startswith(prefixes)] if active else []
+        device = next(iter(self.linears.values())).base.weight.device if chosen else None
+        for module in chosen:
+            if rows is not None:
+                module.rows = torch.tensor(list(rows), device=device)
+            else:
+                module.single = single
+        try:
+            yield
+        finally:
+            for module in chosen:
+                module.rows, module.single = None, None
+
+    def _span_logits(self, batch, all_token_embs, all_schema_embs):
+        """GLiNER2's direct span logits for a whole batch, with each row's head LoRA.
+
+        Same computation and return layout as GLiNER2's ``_compute_direct_span_logits_batched``
+        (``[count, fields, L, W]`` logits and predicted counts per (row, task)).
+        """
+        model = self.model
+        rows = len(batch)
+        slots = self.row_slots if self.row_slots is not None else [-1] * rows
+        raw_logits = [[None] * len(batch.task_types[i]) for i in range(rows)]
+        pred_counts = [[0] * len(batch.task_types[i]) for i in range(rows)]
+
+        records = []  # (row, task, stacked schema embeddings) of every span task
+        for row in range(rows):
+            if all_token_embs[row].numel() == 0:
+                continue
+            for task, task_type in enumerate(batch.task_types[row]):
+                if task_type == "classifications" or task >= len(all_schema_embs[row]):
+                    continue
+                embeddings = all_schema_embs[row][task]
+                tokens = batch.schema_tokens_list[row][task]
+                if not embeddings or len(tokens) < 4:
+                    continue
+                if not any(tokens[j] in SPAN_TASK_MARKERS for j in range(len(tokens) - 1)):
+                    continue
+                records.append((row, task, torch.stack(embeddings)))
+        if not records:
+            return raw_logits, pred_counts
+
+        with self._set(("count_pred",), rows=[slots[row] for row, _, _ in records]):
+            counts = model.count_pred(torch.stack([e[0] for _, _, e in records])).argmax(dim=-1).tolist()
+
+        queries: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        offsets = [0] * rows
+        where = {}
+        for (row, task, embeddings), count in zip(records, counts):
+            pred_counts[row][task] = int(count)
+            if count <= 0:
+                continue
+            with self._set(("count_embed",), single=slots[row]):
+                projected = model.count_embed(embeddings[1:], int(count))
+            if projected.numel() == 0:
+                continue
+            if batch.task_types[row][task] == "entities":
+                projected = projected[:1]  # entity decoding reads instance 0 only
+            count_dim, field_dim, hidden = projected.shape
+            where[(row, task)] = (offsets[row], offsets[row] + count_dim * field_dim, count_dim, field_dim)
+            offsets[row] += count_dim * field_dim
+            queries[row].append(projected.reshape(count_dim * field_dim, hidden))
+
+        active = [row for row in range(rows) if queries[row]]
+        if not active:
+            return raw_logits, pred_counts
+        with self._set(("span_rep",), rows=[slots[row] for row in active]):
+            logits = model.compute_span_scores_batched(
+                [all_token_embs[row] for row in active], [torch.cat(queries[row]) for row in active],
+                mask_invalid=True)
+        by_row = dict(zip(active, logits))
+        for (row, task), (start, stop, count_dim, field_dim) in where.items():
+            task_logits = by_row[row][start:stop]
+            raw_logits[row][task] = task_logits.reshape(count_dim, field_dim, *task_logits.shape[-2:])
+        return raw_logits, pred_counts
