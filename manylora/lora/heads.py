@@ -168,15 +168,14 @@ class HeadLoras:
         with self._set(("count_pred",), rows=[slots[row] for row, _, _ in records]):
             counts = model.count_pred(torch.stack([e[0] for _, _, e in records])).argmax(dim=-1).tolist()
 
+        counted = [(row, task, embeddings, int(count)) for (row, task, embeddings), count
+                   in zip(records, counts) if count > 0]
+        for (row, task, _), count in zip(records, counts):
+            pred_counts[row][task] = int(count)
         queries: list[list[torch.Tensor]] = [[] for _ in range(rows)]
         offsets = [0] * rows
         where = {}
-        for (row, task, embeddings), count in zip(records, counts):
-            pred_counts[row][task] = int(count)
-            if count <= 0:
-                continue
-            with self._set(("count_embed",), single=slots[row]):
-                projected = model.count_embed(embeddings[1:], int(count))
+        for (row, task, _, count), projected in zip(counted, self._count_embed(counted, slots)):
             if projected.numel() == 0:
                 continue
             if batch.task_types[row][task] == "entities":
@@ -198,3 +197,39 @@ class HeadLoras:
             task_logits = by_row[row][start:stop]
             raw_logits[row][task] = task_logits.reshape(count_dim, field_dim, *task_logits.shape[-2:])
         return raw_logits, pred_counts
+
+    def _count_embed(self, counted, slots) -> list[torch.Tensor]:
+        """``count_embed(fields, count)`` for every (row, task) of ``counted``, one [count, M, H] each.
+
+        GLiNER2's CountLSTM runs a GRU whose rows (fields) never interact, from the field
+        embeddings over learned count positions, then a projector MLP. All tasks of the
+        batch run as one GRU over the largest count and one projector call (each field row
+        with its own adapter), then every task keeps its own first ``count`` steps: the same
+        values as one call per task, with two launches per step instead of a few dozen per task.
+        """
+        from gliner2.layers import CountLSTM
+
+        embed = self.model.count_embed
+        if not counted:
+            return []
+        if type(embed) is not CountLSTM:  # other counting layers: one call per task
+            out = []
+            for row, _, embeddings, count in counted:
+                with self._set(("count_embed",), single=slots[row]):
+                    out.append(embed(embeddings[1:], count))
+            return out
+        fields = [embeddings[1:] for _, _, embeddings, _ in counted]
+        steps = [min(count, embed.max_count) for _, _, _, count in counted]
+        initial = torch.cat(fields)  # [sum M, H]
+        longest = max(steps)
+        positions = embed.pos_embedding(torch.arange(longest, device=initial.device))
+        states = embed.gru(positions.unsqueeze(1).expand(longest, initial.shape[0], initial.shape[1]), initial)
+        joined = torch.cat([states, initial.unsqueeze(0).expand_as(states)], dim=-1).transpose(0, 1)
+        field_slots = [slots[row] for (row, _, _, _), f in zip(counted, fields) for _ in range(f.shape[0])]
+        with self._set(("count_embed",), rows=field_slots):
+            projected = embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
+        out, start = [], 0
+        for f, count in zip(fields, steps):
+            out.append(projected[:count, start : start + f.shape[0]])
+            start += f.shape[0]
+        return out
