@@ -27,6 +27,12 @@ from manylora.lora.adapter import AdapterError, LoraAdapter, load_adapter, resol
 logger = logging.getLogger(__name__)
 
 
+def slot_bytes(shapes: Mapping[str, tuple[int, int]], max_rank: int, dtype: torch.dtype) -> int:
+    """Bytes of one GPU slot: A [R, in] and B [out, R] for every LoRA-able linear."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return sum(max_rank * (i + o) for i, o in shapes.values()) * itemsize
+
+
 class AdapterStore:
     def __init__(
         self,
@@ -40,6 +46,14 @@ class AdapterStore:
         dtype: torch.dtype,
     ):
         assert host_slots >= gpu_slots >= 1, "host slots must be >= GPU slots >= 1"
+        need = slot_bytes(shapes, max_rank, dtype) * gpu_slots
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            if need > 0.8 * free:
+                raise MemoryError(
+                    f"{gpu_slots} GPU adapter slots at rank {max_rank} need {need / 2**30:.1f} GiB; "
+                    f"{free / 2**30:.1f} GiB is free: lower max_gpu_adapters or max_lora_rank")
+        logger.info("adapter slots: %d on %s at rank %d take %.2f GiB", gpu_slots, device, max_rank, need / 2**30)
         self.root = None if root is None else Path(root)
         self.shapes = dict(shapes)
         self.max_rank = max_rank

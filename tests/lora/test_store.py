@@ -112,3 +112,9 @@ def test_preload_fills_host_then_gpu_and_skips_refused(store, tmp_path):
     assert loaded == ["a0", "a1", "a2"], "host tier holds 3; the refused one is skipped"
     assert set(store.resident()["gpu"]) == {"a0", "a1"}
     assert store.preload(["a5"]) == ["a5"] and "a5" in store.resident()["gpu"]
+
+
+def test_slot_memory_is_what_the_tensors_take(store):
+    from manylora.lora.store import slot_bytes
+
+    assert store.gpu_bytes == slot_bytes(SHAPES, 4, torch.float32) * 2 == 2 * 4 * (6 + 5) * 4
