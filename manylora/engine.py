@@ -33,6 +33,7 @@ from manylora.lora.adapter import AdapterError, LoraAdapter
 from manylora.lora.batch import LoraBatch
 from manylora.lora.heads import HeadLoras
 from manylora.lora.store import AdapterStore, plan_waves
+from manylora.preprocess import RecordBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class Engine:
         self.heads = HeadLoras(model)
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.processor = model.processor
+        self.records = RecordBuilder(self.processor)
         shapes = {n: (m.in_features, m.out_features) for n, m in self.encoder.linears().items()}
         shapes.update(self.heads.shapes())
         self.store = AdapterStore(
@@ -117,7 +119,8 @@ class Engine:
         self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
 
     # ------------------------------------------------------------------ pre
-    def _parse_schema_uncached(self, schema_json: str) -> tuple[dict, dict]:
+    def _parse_schema_uncached(self, schema_json: str):
+        """(schema part of the record, GLiNER2's decoding metadata) for one SCHEMA text."""
         from gliner2.inference.schema import Schema
         from pydantic import ValidationError
 
@@ -137,7 +140,11 @@ class Engine:
         except (ValueError, TypeError) as exc:
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
         (schema_dict,), (metadata,) = self.model._build_schema_dicts_and_metadata([schema])
-        return schema_dict, metadata
+        try:
+            part = self.records.schema_part(schema_dict)
+        except Exception as exc:  # gliner2 raises plain exceptions for schemas it cannot encode
+            raise RequestError(INVALID_ARG, f"SCHEMA could not be encoded: {exc}") from None
+        return part, metadata
 
     def prepare(self, index: int, request: Request) -> Prepared:
         """Validate and tokenize one request; raises RequestError."""
@@ -153,9 +160,9 @@ class Engine:
                 adapter = self.store.get(request.adapter)
             except AdapterError as exc:
                 raise RequestError(exc.code, exc.message) from None
-        schema_dict, metadata = self._parse_schema(request.schema)
+        part, metadata = self._parse_schema(request.schema)
         try:
-            record = self.processor.transform_record(request.text, schema_dict)
+            record = self.records.record(request.text, part)
         except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
             raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
         if len(record.input_ids) > limit:
