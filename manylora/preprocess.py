@@ -7,8 +7,8 @@ workload repeats a few schemas over many texts, so ``RecordBuilder`` splits the 
 * per schema (cached by its JSON text): GLiNER2's own ``transform_record`` on a probe text
   gives the schema tokens, task types, inference labels, the classification prefix and the
   token ids of everything up to and including ``[SEP_TEXT]``;
-* per request: GLiNER2's word splitter on the text, then each word's subword ids from a
-  bounded per-word cache.
+* per request: GLiNER2's word splitting on the text (an equivalent, faster pattern for
+  ASCII text), then each word's subword ids from a bounded per-word cache.
 
 The result is field for field the record GLiNER2 builds (tests compare them on varied
 texts and schemas), so GLiNER2's own batching and decoding run on it unchanged.
@@ -17,13 +17,29 @@ texts and schemas), so GLiNER2's own batching and decoding run on it unchanged.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from gliner2.processing.word_splitter import WhitespaceTokenSplitter
 from gliner2.processor import TransformedRecord
 
 PROBE_TEXT = "probe."
 WORD_CACHE_SIZE = 1 << 18
+
+# GLiNER2's whitespace splitter, specialised to ASCII text. Its word class is \w plus every
+# Unicode combining mark plus ZWNJ/ZWJ; none of those extras is ASCII, so on ASCII input
+# the class is exactly \w, and every other part of the pattern (same alternatives, same
+# order, same flags) matches the same characters. Six times faster, because the full
+# class is huge; tests check equality with GLiNER2's splitter (hypothesis over ASCII).
+_ASCII_WORDS = re.compile(
+    r"(?:https?://[^\s]+|www\.[^\s]+)"  # URLs
+    r"|[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{2,}"  # e-mail addresses
+    r"|@[a-z0-9_]+"  # handles
+    r"|\w+(?:[-_]\w+)*"  # words, hyphen/underscore compounds
+    r"|\S",  # any other single non-space character
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,13 @@ class RecordBuilder:
     def __init__(self, processor):
         self.processor = processor
         self._word_ids = lru_cache(maxsize=WORD_CACHE_SIZE)(self._word_ids_uncached)
+        self._ascii_fast_path = type(processor.word_splitter) is WhitespaceTokenSplitter
+
+    def words(self, text: str):
+        """(lower-cased word, start, end) as GLiNER2's word splitter yields them."""
+        if self._ascii_fast_path and text.isascii():
+            return [(m.group().lower(), m.start(), m.end()) for m in _ASCII_WORDS.finditer(text)]
+        return self.processor.word_splitter(text, lower=True)
 
     def _word_ids_uncached(self, word: str) -> tuple:
         p = self.processor
@@ -76,7 +99,7 @@ class RecordBuilder:
         p = self.processor
         text = p._normalize_text(text)
         words, starts, ends = [], [], []
-        for token, start, end in p.word_splitter(text, lower=True):
+        for token, start, end in self.words(text):
             words.append(token)
             starts.append(start)
             ends.append(end)

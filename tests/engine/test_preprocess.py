@@ -32,3 +32,24 @@ def test_records_equal_gliner2(reference_model, schema_index):
         expected = _fields(processor.transform_record(text, schema))
         got = _fields(builder.record(text, part))
         assert got == expected, text
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ASCII_PIECES = st.sampled_from([
+    "word", "Word", "a-b", "a_b", "x--y", "-", "_", "http://a.b/c?d=e", "https://x.y", "www.site.org/p", "a.b@c.de",
+    "me@x.io", "@hand_le", "@", ".", ",", "(", ")", "|", "'", '"', "3.14", "1,000", "\x1c", "\x1f", "\t", "\n", " ",
+    "  ", "\x0b", "e.g.", "U.S.A.", "co-op_x", "$5", "100%", "a+b@c.com", "WWW.X.COM",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ASCII_PIECES, max_size=40).map("".join) | st.text(st.characters(max_codepoint=127), max_size=80))
+def test_ascii_fast_path_splits_like_gliner2(text):
+    from gliner2.processing.word_splitter import WhitespaceTokenSplitter
+
+    class Processor:  # only what RecordBuilder.words reads
+        word_splitter = WhitespaceTokenSplitter()
+
+    assert RecordBuilder(Processor()).words(text) == list(WhitespaceTokenSplitter()(text, lower=True))
