@@ -27,6 +27,7 @@ import torch
 
 from manylora.client.protocol import Request  # the wire contract's validated request
 from manylora.config import EngineConfig
+from manylora.decode import bind_fast_decoding
 from manylora.encoder import Encoder
 from manylora.kernels import SgmvMetaBuilder
 from manylora.lora.adapter import AdapterError, LoraAdapter
@@ -111,6 +112,7 @@ class Engine:
         self.encoder_targets = set(self.encoder.linears())
         self.head_names = frozenset(self.heads.linears)
         self.heads.bind(self.store)
+        bind_fast_decoding(self.model)
         if config.preload_adapters:
             names = None if config.preload_adapters == "all" else config.preload_adapters.split(",")
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
