@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional, Sequence, Union
@@ -103,6 +103,8 @@ class Engine:
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.processor = model.processor
         self.records = RecordBuilder(self.processor)
+        # (distinct adapters, waves) per dynamic batch, drained by the metrics publisher
+        self.batch_stats: deque[tuple[int, int]] = deque(maxlen=4096)
         shapes = {n: (m.in_features, m.out_features) for n, m in self.encoder.linears().items()}
         shapes.update(self.heads.shapes())
         self.store = AdapterStore(
@@ -263,7 +265,10 @@ class Engine:
                 continue
             groups[prepared.options].append(prepared)
         for group in groups.values():
-            for chunk in self._chunks(group):
+            chunks = self._chunks(group)
+            adapters = {p.request.adapter for p in group if p.request.adapter}
+            self.batch_stats.append((len(adapters), len(plan_waves(adapters, self.config.max_gpu_adapters))))
+            for chunk in chunks:
                 self._run_chunk(chunk, results)
         assert all(r is not None for r in results), "every request is answered"
         return results  # type: ignore[return-value]

@@ -67,6 +67,10 @@ class TritonModelHandler:
         )
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
         self.engine = Engine(config)
+        from manylora.metrics import AdapterMetrics
+
+        self.metrics = AdapterMetrics(pb_utils, {"model": args.get("model_name", "gliner2"),
+                                                 "instance": args.get("model_instance_name", "")})
 
     def _error(self, exc: RequestError):
         pb = self.pb_utils
@@ -90,9 +94,11 @@ class TritonModelHandler:
                 responses.append(self._error(result))
             else:
                 responses.append(pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))]))
+        self.metrics.publish(self.engine)
         return responses
 
     def finalize(self) -> None:
+        self.metrics.close()
         self.engine = None
 
 

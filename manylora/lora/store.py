@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
@@ -70,6 +71,9 @@ class AdapterStore:
         self._slot_owner: list[Optional[LoraAdapter]] = [None] * gpu_slots
         self._lock = threading.Lock()
         self.loads = {"disk": 0, "gpu": 0}
+        # for metrics: ("hit" | "miss" | "evict", "host" | "gpu") -> count, and load latencies (s)
+        self.events: Counter = Counter()
+        self.load_seconds: dict[str, list[float]] = {"disk_to_host": [], "host_to_gpu": []}
 
     @property
     def gpu_bytes(self) -> int:
@@ -89,14 +93,19 @@ class AdapterStore:
                 fingerprint = None
             if cached is not None and cached.fingerprint == fingerprint and cached.path == folder:
                 self._host.move_to_end(adapter_id)
+                self.events["hit", "host"] += 1
                 return cached
+            self.events["miss", "host"] += 1
+        started = time.perf_counter()
         adapter = load_adapter(adapter_id, folder, self.shapes, self.max_rank)
         with self._lock:
+            self.load_seconds["disk_to_host"].append(time.perf_counter() - started)
             self.loads["disk"] += 1
             self._host[adapter_id] = adapter
             self._host.move_to_end(adapter_id)
             while len(self._host) > self.host_slots:
                 self._host.popitem(last=False)
+                self.events["evict", "host"] += 1
         return adapter
 
     # ------------------------------------------------------------------ GPU tier
@@ -116,8 +125,10 @@ class AdapterStore:
                 if slot is not None and self._slot_owner[slot] is adapter:
                     self._gpu.move_to_end(name)
                     result[name] = slot
+                    self.events["hit", "gpu"] += 1
                 else:
                     missing.append(adapter)
+                    self.events["miss", "gpu"] += 1
             free = [s for s in range(self.gpu_slots) if self._slot_owner[s] is None]
             evictable = [n for n in self._gpu if n not in wanted]  # LRU order
             for adapter in missing:
@@ -128,7 +139,10 @@ class AdapterStore:
                 else:
                     victim = evictable.pop(0)
                     slot = self._gpu.pop(victim)
+                    self.events["evict", "gpu"] += 1
+                started = time.perf_counter()
                 self._write_slot(slot, adapter)
+                self.load_seconds["host_to_gpu"].append(time.perf_counter() - started)
                 self._gpu[adapter.name] = slot
                 result[adapter.name] = slot
             return result
@@ -179,6 +193,13 @@ class AdapterStore:
 
     def owner(self, slot: int) -> Optional[LoraAdapter]:
         return self._slot_owner[slot]
+
+    def drain_load_seconds(self) -> dict[str, list[float]]:
+        """Load latencies recorded since the last drain (for histograms)."""
+        with self._lock:
+            drained = self.load_seconds
+            self.load_seconds = {"disk_to_host": [], "host_to_gpu": []}
+            return drained
 
     def resident(self) -> dict[str, list[str]]:
         with self._lock:

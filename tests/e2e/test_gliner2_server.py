@@ -213,3 +213,26 @@ def test_server_benchmark_runs_perf_analyzer_against_the_server(server, demo_ada
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["base", "lora"]
     assert all(r["req_per_s"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in rows)
+
+
+def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters):
+    import urllib.request
+
+    from manylora.client import ManyLoRAClient
+
+    names = sorted(demo_adapters)[:6]  # more than the 4 GPU slots: misses, waves and evictions
+    with ManyLoRAClient(server.grpc_url, concurrency=16) as client:
+        client.batch_extract(demo_texts(12, seed=41), demo_schemas()[0], adapter=[names[i % 6] for i in range(12)])
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+
+    def value(name, *labels):
+        lines = [line for line in text.splitlines()
+                 if line.startswith(name + "{") and all(label in line for label in ('model="gliner2"', *labels))]
+        assert lines, f"{name} {labels} not exported"
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    assert value("manylora_adapter_cache_total", 'event="miss"', 'tier="gpu"') >= 6
+    assert value("manylora_adapter_cache_total", 'event="evict"', 'tier="gpu"') >= 2
+    assert value("manylora_adapters_resident", 'tier="gpu"') == 4
+    assert value("manylora_adapter_load_seconds_count", 'stage="disk_to_host"') >= 6
+    assert value("manylora_batch_waves_count") >= 1

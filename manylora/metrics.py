@@ -1,0 +1,61 @@
+"""Adapter-cache metrics on Triton's Prometheus endpoint (pb_utils custom metric families).
+
+Published after every execute() from the engine's own counters, so the engine stays free
+of pb_utils. Every metric carries ``model`` and ``instance`` labels (each Triton model
+instance keeps its own adapter cache). Families:
+
+    manylora_adapter_cache_total{tier, event}      counter: hit / miss / evict per tier (host, gpu)
+    manylora_adapters_resident{tier}               gauge
+    manylora_adapter_load_seconds{stage}           histogram: disk_to_host, host_to_gpu
+    manylora_batch_adapters                        histogram: distinct adapters per dynamic batch
+    manylora_batch_waves                           histogram: GPU-slot waves per dynamic batch
+"""
+
+from __future__ import annotations
+
+LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+ADAPTER_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+WAVE_BUCKETS = [1, 2, 3, 4, 8, 16, 32]
+TIERS, EVENTS = ("host", "gpu"), ("hit", "miss", "evict")
+
+
+class AdapterMetrics:
+    def __init__(self, pb_utils, labels: dict[str, str]):
+        family = pb_utils.MetricFamily
+        cache = family("manylora_adapter_cache_total", "Adapter cache events per tier", family.COUNTER)
+        resident = family("manylora_adapters_resident", "Adapters resident per tier", family.GAUGE)
+        loads = family("manylora_adapter_load_seconds", "Adapter load latency per stage", family.HISTOGRAM)
+        batch_adapters = family("manylora_batch_adapters", "Distinct adapters per dynamic batch", family.HISTOGRAM)
+        batch_waves = family("manylora_batch_waves", "GPU-slot waves per dynamic batch", family.HISTOGRAM)
+        self.cache = {(e, t): cache.Metric(labels={**labels, "tier": t, "event": e}) for e in EVENTS for t in TIERS}
+        self.resident = {t: resident.Metric(labels={**labels, "tier": t}) for t in TIERS}
+        self.loads = {s: loads.Metric(labels={**labels, "stage": s}, buckets=LOAD_BUCKETS)
+                      for s in ("disk_to_host", "host_to_gpu")}
+        self.batch_adapters = batch_adapters.Metric(labels=dict(labels), buckets=ADAPTER_BUCKETS)
+        self.batch_waves = batch_waves.Metric(labels=dict(labels), buckets=WAVE_BUCKETS)
+        self._published: dict = {}
+        # families must outlive their metrics: assigned last, so they are also released last
+        self._families = (cache, resident, loads, batch_adapters, batch_waves)
+
+    def close(self) -> None:
+        """Release the metrics, then their families (Triton's required order)."""
+        self.cache = self.resident = self.loads = self.batch_adapters = self.batch_waves = None
+        self._families = None
+
+    def publish(self, engine) -> None:
+        store = engine.store
+        for key, metric in self.cache.items():
+            total = store.events[key]
+            delta = total - self._published.get(key, 0)
+            if delta:
+                metric.increment(delta)
+                self._published[key] = total
+        for tier, names in store.resident().items():
+            self.resident[tier].set(len(names))
+        for stage, seconds in store.drain_load_seconds().items():
+            for value in seconds:
+                self.loads[stage].observe(value)
+        while engine.batch_stats:
+            adapters, waves = engine.batch_stats.popleft()
+            self.batch_adapters.observe(adapters)
+            self.batch_waves.observe(waves)
