@@ -236,3 +236,24 @@ def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters)
     assert value("manylora_adapters_resident", 'tier="gpu"') == 4
     assert value("manylora_adapter_load_seconds_count", 'stage="disk_to_host"') >= 6
     assert value("manylora_batch_waves_count") >= 1
+
+
+def test_locustfile_drives_grpc_and_http_users(server, demo_adapters, tmp_path):
+    """perf/locustfile.py, headless for a few seconds: both user classes get answers, none fail."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    perf = Path(__file__).resolve().parents[2] / "perf"
+    env = dict(os.environ, MANYLORA_ADAPTERS=str(next(iter(demo_adapters.values())).parent),
+               MANYLORA_GRPC_PORT=str(server.grpc_port), MANYLORA_HTTP_PORT=str(server.http_port))
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(perf / "locustfile.py"), "--headless", "-u", "4", "-r", "4",
+         "-t", "6s", "-H", "127.0.0.1", "--csv", str(tmp_path / "locust"), "--only-summary"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(tmp_path / "locust_stats.csv") as f:
+        rows = {row["Type"]: row for row in csv.DictReader(f) if row["Name"] == "gliner2"}
+    for kind in ("grpc", "http"):
+        assert int(rows[kind]["Request Count"]) > 0 and int(rows[kind]["Failure Count"]) == 0, rows
