@@ -3,15 +3,14 @@
 The work is split the way serving engines split it, each part testable alone:
 
 * ``prepare`` (pre): validate one request, parse its schema (cached per schema text),
-  turn schema + text into token ids with GLiNER2's own processor.
-* ``forward`` (core): pad a group of prepared requests, run our encoder once for the
-  whole group.
-* ``decode`` (post): GLiNER2's own span/count/classifier heads and decoders on the
-  encoder output, then GLiNER2's own result formatting.
+  build GLiNER2's record for it (``RecordBuilder``: the schema half once per schema).
+* ``forward`` (core): order a chunk's rows by adapter slot, pad, run our encoder once,
+  every row with its own adapter's LoRA (SGMV) and position tables.
+* ``decode`` (post): GLiNER2's heads and decoders on the encoder output, with our span-logit
+  batching routing each row's head LoRA (``HeadLoras``), then GLiNER2's result formatting.
 
-GLiNER2 itself is the reference: pre and post reuse its code, so an answer equals
-``GLiNER2.batch_extract(..., include_confidence=...)`` for the same text, schema and
-threshold; tests check that against gliner2 directly.
+GLiNER2 itself is the reference: an answer equals ``GLiNER2.batch_extract`` (with PEFT and
+that request's adapter) for the same text, schema and options; tests check that directly.
 """
 
 from __future__ import annotations
