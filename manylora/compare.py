@@ -30,5 +30,7 @@ def result_differences(got: Any, expected: Any, atol: float = 1e-4, path: str = 
             return [f"{path}: {type(got).__name__} is not a list"]
         if len(got) != len(expected):
             return [f"{path}: {len(got)} items != {len(expected)}: {got!r} vs {expected!r}"]
-        return [d for i, (g, e) in enumerate(zip(got, expected)) for d in result_differences(g, e, atol, f"{path}[{i}]")]
+        return [
+            d for i, (g, e) in enumerate(zip(got, expected)) for d in result_differences(g, e, atol, f"{path}[{i}]")
+        ]
     return [] if got == expected else [f"{path}: {got!r} != {expected!r}"]

@@ -78,15 +78,28 @@ class EngineConfig:
         "adapter_dir": (_path, False, "folder of PEFT LoRA adapter folders; ADAPTER_ID names a subfolder"),
         "max_gpu_adapters": (_positive_int, False, "adapters resident in GPU slots (default 32)"),
         "max_cpu_adapters": (_positive_int, False, "parsed adapters kept in host memory (default 128; >= GPU slots)"),
-        "max_lora_rank": (_positive_int, False, "largest adapter rank accepted; GPU slots are sized for it (default 64)"),
+        "max_lora_rank": (
+            _positive_int,
+            False,
+            "largest adapter rank accepted; GPU slots are sized for it (default 64)",
+        ),
         "dtype": (_choice("auto", *DTYPES), False, "auto = bfloat16 on GPU, float32 on CPU"),
         "max_batch_tokens": (_positive_int, False, "token budget of one encoder forward; larger batches are split"),
-        "max_request_tokens": (_positive_int, False,
-                               "longest request (schema + text tokens) accepted; longer ones get INVALID_ARG"),
-        "kernel_backend": (_choice("auto", "triton", "torch"), False,
-                           "SGMV kernels: auto = triton on GPU, torch (float32 reference) on CPU"),
-        "preload_adapters": (_preload, False,
-                             "adapters loaded at model load: 'all' (as many as the tiers hold) or a comma list"),
+        "max_request_tokens": (
+            _positive_int,
+            False,
+            "longest request (schema + text tokens) accepted; longer ones get INVALID_ARG",
+        ),
+        "kernel_backend": (
+            _choice("auto", "triton", "torch"),
+            False,
+            "SGMV kernels: auto = triton on GPU, torch (float32 reference) on CPU",
+        ),
+        "preload_adapters": (
+            _preload,
+            False,
+            "adapters loaded at model load: 'all' (as many as the tiers hold) or a comma list",
+        ),
     }
 
     @property
@@ -143,8 +156,9 @@ class EngineConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
     @classmethod
-    def from_model_config(cls, model_config: str | Mapping, *, model_dir: Optional[Path] = None,
-                          device: str = "cpu") -> "EngineConfig":
+    def from_model_config(
+        cls, model_config: str | Mapping, *, model_dir: Optional[Path] = None, device: str = "cpu"
+    ) -> "EngineConfig":
         """Build from Triton's ``args["model_config"]`` (JSON text or its parsed dict)."""
         if isinstance(model_config, str):
             model_config = json.loads(model_config)

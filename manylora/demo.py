@@ -116,36 +116,59 @@ class _SentenceFiller:
         r = self.rng
         day, month, year = r.randint(1, 28), r.randrange(12), r.randint(1998, 2027)
         name = self.lex["months"][month]
-        return r.choice([
-            f"{day} {name} {year}",
-            f"{name} {day}, {year}",
-            f"{year}-{month + 1:02d}-{day:02d}",
-            f"{name} {day}",
-            f"{day}/{month + 1}/{year}",
-        ])
+        return r.choice(
+            [
+                f"{day} {name} {year}",
+                f"{name} {day}, {year}",
+                f"{year}-{month + 1:02d}-{day:02d}",
+                f"{name} {day}",
+                f"{day}/{month + 1}/{year}",
+            ]
+        )
 
     def money(self) -> str:
         r = self.rng
         amount = r.choice([f"{r.randint(2, 950)}", f"{r.randint(1, 99)}.{r.randint(1, 9)}"])
-        return r.choice([
-            f"${amount} million", f"€{amount} billion", f"£{amount}m",
-            f"{amount} million euros", f"${r.randint(1, 999)},{r.randint(0, 999):03d}",
-            f"{r.randint(2, 90)} billion yen", f"US${amount}bn",
-        ])
+        return r.choice(
+            [
+                f"${amount} million",
+                f"€{amount} billion",
+                f"£{amount}m",
+                f"{amount} million euros",
+                f"${r.randint(1, 999)},{r.randint(0, 999):03d}",
+                f"{r.randint(2, 90)} billion yen",
+                f"US${amount}bn",
+            ]
+        )
 
     def number(self) -> str:
         r = self.rng
-        return r.choice([
-            str(r.randint(2, 99)), str(r.randint(100, 999)),
-            f"{r.randint(1, 99)},{r.randint(0, 999):03d}",
-            r.choice(["two", "three", "four", "five", "six", "ten", "a dozen", "several hundred"]),
-        ])
+        return r.choice(
+            [
+                str(r.randint(2, 99)),
+                str(r.randint(100, 999)),
+                f"{r.randint(1, 99)},{r.randint(0, 999):03d}",
+                r.choice(["two", "three", "four", "five", "six", "ten", "a dozen", "several hundred"]),
+            ]
+        )
 
     _LISTS = {  # template slot -> lexicon list
-        "org": "organizations", "city": "cities", "country": "countries", "region": "regions",
-        "street": "streets", "month": "months", "weekday": "weekdays", "role": "roles",
-        "product": "products", "event": "events", "topic": "topics", "noun": "nouns",
-        "adj": "adjectives", "verb": "verbs_past", "adv": "adverbs", "first": "first_names",
+        "org": "organizations",
+        "city": "cities",
+        "country": "countries",
+        "region": "regions",
+        "street": "streets",
+        "month": "months",
+        "weekday": "weekdays",
+        "role": "roles",
+        "product": "products",
+        "event": "events",
+        "topic": "topics",
+        "noun": "nouns",
+        "adj": "adjectives",
+        "verb": "verbs_past",
+        "adv": "adverbs",
+        "first": "first_names",
     }
 
     def slot(self, name: str) -> str:
@@ -172,8 +195,14 @@ class _SentenceFiller:
         if name == "score":
             return f"{r.randint(1, 5)}-{r.randint(0, 3)}"
         if name == "time":
-            return r.choice([f"{r.randint(1, 12)}:{r.choice(['00', '15', '30', '45'])} {r.choice(['a.m.', 'p.m.'])}",
-                             f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}", "noon", "midnight"])
+            return r.choice(
+                [
+                    f"{r.randint(1, 12)}:{r.choice(['00', '15', '30', '45'])} {r.choice(['a.m.', 'p.m.'])}",
+                    f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}",
+                    "noon",
+                    "midnight",
+                ]
+            )
         if name == "time_score":
             return f"{r.randint(2, 3)}:{r.randint(0, 59):02d}:{r.randint(0, 59):02d}"
         if name == "email":
@@ -249,8 +278,11 @@ def demo_schemas() -> list[dict[str, Any]]:
     corporate_event = {
         "fields": [
             {"name": "company", "dtype": "str"},
-            {"name": "event_type", "dtype": "str",
-             "choices": ["acquisition", "lawsuit", "product launch", "earnings", "layoffs"]},
+            {
+                "name": "event_type",
+                "dtype": "str",
+                "choices": ["acquisition", "lawsuit", "product launch", "earnings", "layoffs"],
+            },
             {"name": "people", "dtype": "list", "description": "people named in the event"},
             {"name": "amount", "dtype": "str", "description": "sum of money involved"},
             {"name": "date"},
@@ -258,49 +290,79 @@ def demo_schemas() -> list[dict[str, Any]]:
     }
     return [
         {"entities": ["person", "organization", "location", "date", "money"]},
-        {"entities": {
-            "person": "names of people",
-            "company": "companies, institutions and public bodies",
-            "city": "cities and towns",
-            "product": "products, devices and services",
-            "quantity": "amounts of money, percentages and counts",
-        }},
-        {"entities": {
-            "person": {"description": "full names of people", "threshold": 0.4},
-            "date": {"dtype": "str"},
-            "email": "email addresses",
-        }},
+        {
+            "entities": {
+                "person": "names of people",
+                "company": "companies, institutions and public bodies",
+                "city": "cities and towns",
+                "product": "products, devices and services",
+                "quantity": "amounts of money, percentages and counts",
+            }
+        },
+        {
+            "entities": {
+                "person": {"description": "full names of people", "threshold": 0.4},
+                "date": {"dtype": "str"},
+                "email": "email addresses",
+            }
+        },
         {"classifications": [{"task": "sentiment", "labels": ["positive", "negative", "neutral"]}]},
-        {"classifications": [{
-            "task": "topic",
-            "labels": ["business", "politics", "sports", "science", "health", "culture"],
-            "multi_label": True,
-            "cls_threshold": 0.4,
-        }]},
-        {"classifications": [{
-            "task": "urgency",
-            "labels": {"high": "needs action today", "medium": "needs action this week",
-                       "low": "for information only"},
-        }]},
+        {
+            "classifications": [
+                {
+                    "task": "topic",
+                    "labels": ["business", "politics", "sports", "science", "health", "culture"],
+                    "multi_label": True,
+                    "cls_threshold": 0.4,
+                }
+            ]
+        },
+        {
+            "classifications": [
+                {
+                    "task": "urgency",
+                    "labels": {
+                        "high": "needs action today",
+                        "medium": "needs action this week",
+                        "low": "for information only",
+                    },
+                }
+            ]
+        },
         {"relations": ["works_for", "located_in", "founded"]},
-        {"relations": {
-            "acquired": "a company that bought another company",
-            "headquartered_in": "a company and the city of its main office",
-        }},
+        {
+            "relations": {
+                "acquired": "a company that bought another company",
+                "headquartered_in": "a company and the city of its main office",
+            }
+        },
         {"structures": {"corporate_event": corporate_event}},
-        {"structures": {"person_profile": {"fields": [
-            {"name": "name", "dtype": "str"},
-            {"name": "role", "dtype": "str"},
-            {"name": "employer", "dtype": "str"},
-            {"name": "topics", "dtype": "list",
-             "choices": ["finance", "technology", "health", "sport", "law"]},
-        ]}}},
+        {
+            "structures": {
+                "person_profile": {
+                    "fields": [
+                        {"name": "name", "dtype": "str"},
+                        {"name": "role", "dtype": "str"},
+                        {"name": "employer", "dtype": "str"},
+                        {
+                            "name": "topics",
+                            "dtype": "list",
+                            "choices": ["finance", "technology", "health", "sport", "law"],
+                        },
+                    ]
+                }
+            }
+        },
         {
             "entities": ["person", "organization", "location"],
             "classifications": [
                 {"task": "sentiment", "labels": ["positive", "negative", "neutral"]},
-                {"task": "topic", "labels": ["business", "politics", "sports", "science"],
-                 "multi_label": True, "cls_threshold": 0.5},
+                {
+                    "task": "topic",
+                    "labels": ["business", "politics", "sports", "science"],
+                    "multi_label": True,
+                    "cls_threshold": 0.5,
+                },
             ],
             "relations": ["works_for", "located_in"],
             "structures": {"corporate_event": corporate_event},
@@ -330,8 +392,12 @@ SIZES = {
 
 MANIFEST = "manylora_demo.json"
 CHECKPOINT_FILES = (
-    "config.json", "encoder_config/config.json", "model.safetensors",
-    "tokenizer.json", "tokenizer_config.json", MANIFEST,
+    "config.json",
+    "encoder_config/config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    MANIFEST,
 )
 TOKENIZER_VOCAB = 3000
 
@@ -344,12 +410,20 @@ ENCODER_GAINS = {"qk": 3.0, "v": 0.3, "ffn": 0.5}
 CAL_SCHEMA = {
     "entities": ["person", "company", "city", "date", "amount", "product", "event", "job title"],
     "relations": ["works_for", "located_in", "acquired"],
-    "structures": {"deal": {"fields": [
-        {"name": "buyer", "dtype": "str"}, {"name": "seller", "dtype": "str"},
-        {"name": "price", "dtype": "str"}, {"name": "advisers", "dtype": "list"},
-        {"name": "date", "dtype": "str"},
-    ]}},
-    "classifications": [{"task": "topic", "labels": ["business", "politics", "sports", "science", "health", "culture"]}],
+    "structures": {
+        "deal": {
+            "fields": [
+                {"name": "buyer", "dtype": "str"},
+                {"name": "seller", "dtype": "str"},
+                {"name": "price", "dtype": "str"},
+                {"name": "advisers", "dtype": "list"},
+                {"name": "date", "dtype": "str"},
+            ]
+        }
+    },
+    "classifications": [
+        {"task": "topic", "labels": ["business", "politics", "sports", "science", "health", "culture"]}
+    ],
 }
 CAL_INSTANCES = 4  # instance steps seen while calibrating (predicted counts are mostly 1-4)
 SPAN_LOGIT_STD = 2.0  # spread of one label's span logits over a text
@@ -402,12 +476,24 @@ def _train_tokenizer():
     model = io.BytesIO()
     spm.set_random_generator_seed(0)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, model_type="unigram",
-        vocab_size=TOKENIZER_VOCAB, character_coverage=1.0, num_threads=1,
-        shuffle_input_sentence=False, normalization_rule_name="identity",
-        pad_id=0, bos_id=1, eos_id=2, unk_id=3,
-        pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]", unk_piece="[UNK]",
-        control_symbols=["[MASK]"], minloglevel=2,
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="unigram",
+        vocab_size=TOKENIZER_VOCAB,
+        character_coverage=1.0,
+        num_threads=1,
+        shuffle_input_sentence=False,
+        normalization_rule_name="identity",
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=3,
+        pad_piece="[PAD]",
+        bos_piece="[CLS]",
+        eos_piece="[SEP]",
+        unk_piece="[UNK]",
+        control_symbols=["[MASK]"],
+        minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
@@ -451,7 +537,7 @@ def _init_weights(model, seed: int) -> None:
             else:
                 weight = tensors.get(name.rsplit(".", 1)[0] + ".weight", tensor)
                 fan_in = weight.shape[-1] if weight.dim() > 1 else model.hidden_size
-                tensor.uniform_(-fan_in**-0.5, fan_in**-0.5, generator=g)
+                tensor.uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=g)
 
 
 def _rounded(x: float) -> float:
@@ -643,8 +729,10 @@ def build_demo_checkpoint(out_dir, size: str = "tiny", seed: int = 0, force: boo
     if out_dir.exists() and not force:
         if matches():
             return out_dir
-        raise FileExistsError(f"{out_dir} exists and is not a complete {size} demo checkpoint "
-                              f"(seed {seed}); pass force=True to replace it")
+        raise FileExistsError(
+            f"{out_dir} exists and is not a complete {size} demo checkpoint "
+            f"(seed {seed}); pass force=True to replace it"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -236,8 +236,10 @@ class EncoderLayer(nn.Module):
 
 def _clone_norm(norm: nn.LayerNorm) -> nn.ParameterList:
     return nn.ParameterList(
-        [nn.Parameter(norm.weight.detach().clone(), requires_grad=False),
-         nn.Parameter(norm.bias.detach().clone(), requires_grad=False)]
+        [
+            nn.Parameter(norm.weight.detach().clone(), requires_grad=False),
+            nn.Parameter(norm.bias.detach().clone(), requires_grad=False),
+        ]
     )
 
 

@@ -107,8 +107,13 @@ class Engine:
         shapes = {n: (m.in_features, m.out_features) for n, m in self.encoder.linears().items()}
         shapes.update(self.heads.shapes())
         self.store = AdapterStore(
-            config.adapter_dir, shapes, max_rank=config.max_lora_rank, gpu_slots=config.max_gpu_adapters,
-            host_slots=config.max_cpu_adapters, device=self.device, dtype=self.dtype,
+            config.adapter_dir,
+            shapes,
+            max_rank=config.max_lora_rank,
+            gpu_slots=config.max_gpu_adapters,
+            host_slots=config.max_cpu_adapters,
+            device=self.device,
+            dtype=self.dtype,
         )
         self.encoder_targets = set(self.encoder.linears())
         self.head_names = frozenset(self.heads.linears)
@@ -136,9 +141,7 @@ class Engine:
         try:
             schema = Schema.from_dict(data)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors()
-            )
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors())
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {problems}") from None
         except (ValueError, TypeError) as exc:
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
@@ -155,8 +158,11 @@ class Engine:
             raise RequestError(INVALID_ARG, "TEXT is empty")
         limit = self.config.max_request_tokens
         if len(request.text) > CHARS_PER_TOKEN_BOUND * limit:  # refuse before paying for tokenization
-            raise RequestError(INVALID_ARG, f"TEXT has {len(request.text)} characters, far above the limit of "
-                                            f"{limit} tokens (max_request_tokens); split it into chunks")
+            raise RequestError(
+                INVALID_ARG,
+                f"TEXT has {len(request.text)} characters, far above the limit of "
+                f"{limit} tokens (max_request_tokens); split it into chunks",
+            )
         adapter = None
         if request.adapter:
             try:
@@ -169,8 +175,11 @@ class Engine:
         except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
             raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
         if len(record.input_ids) > limit:
-            raise RequestError(INVALID_ARG, f"text and schema are {len(record.input_ids)} tokens, above the limit of "
-                                            f"{limit} (max_request_tokens); split the text into chunks")
+            raise RequestError(
+                INVALID_ARG,
+                f"text and schema are {len(record.input_ids)} tokens, above the limit of "
+                f"{limit} (max_request_tokens); split the text into chunks",
+            )
         return Prepared(index, request, record, metadata, len(record.input_ids), adapter)
 
     def _chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
@@ -221,8 +230,9 @@ class Engine:
         if targets:
             if input_ids.numel() > self.meta_builder.max_tokens:  # one request above the budget
                 self.meta_builder = SgmvMetaBuilder(input_ids.numel(), self.device)
-            lora = LoraBatch(self.store, self.meta_builder, slot_per_row, input_ids.shape[1], targets,
-                             self.config.backend)
+            lora = LoraBatch(
+                self.store, self.meta_builder, slot_per_row, input_ids.shape[1], targets, self.config.backend
+            )
         hidden = self.encoder(input_ids, attention_mask, lora)
         states = [hidden[row, : p.num_tokens] for row, p in enumerate(chunk)]
         return batch, states, slot_per_row
@@ -280,7 +290,8 @@ class Engine:
         except torch.cuda.OutOfMemoryError:
             if len(chunk) == 1:
                 results[chunk[0].index] = RequestError(
-                    UNAVAILABLE, "out of GPU memory for this single request; retry later or send a shorter text")
+                    UNAVAILABLE, "out of GPU memory for this single request; retry later or send a shorter text"
+                )
                 return
             torch.cuda.empty_cache()
             half = len(chunk) // 2

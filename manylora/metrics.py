@@ -29,8 +29,10 @@ class AdapterMetrics:
         batch_waves = family("manylora_batch_waves", "GPU-slot waves per dynamic batch", family.HISTOGRAM)
         self.cache = {(e, t): cache.Metric(labels={**labels, "tier": t, "event": e}) for e in EVENTS for t in TIERS}
         self.resident = {t: resident.Metric(labels={**labels, "tier": t}) for t in TIERS}
-        self.loads = {s: loads.Metric(labels={**labels, "stage": s}, buckets=LOAD_BUCKETS)
-                      for s in ("disk_to_host", "host_to_gpu")}
+        self.loads = {
+            s: loads.Metric(labels={**labels, "stage": s}, buckets=LOAD_BUCKETS)
+            for s in ("disk_to_host", "host_to_gpu")
+        }
         self.batch_adapters = batch_adapters.Metric(labels=dict(labels), buckets=ADAPTER_BUCKETS)
         self.batch_waves = batch_waves.Metric(labels=dict(labels), buckets=WAVE_BUCKETS)
         self._published: dict = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -35,9 +35,7 @@ def check_model_config(model_config: dict) -> None:
         t["name"]: (t["data_type"], tuple(int(d) for d in t["dims"]), bool(t.get("optional", False)))
         for t in model_config.get("input", []) + model_config.get("output", [])
     }
-    expected = {
-        s.name: (s.config_dtype, tuple(s.dims), s.optional) for s in protocol.INPUTS + protocol.OUTPUTS
-    }
+    expected = {s.name: (s.config_dtype, tuple(s.dims), s.optional) for s in protocol.INPUTS + protocol.OUTPUTS}
     if declared != expected:
         raise ValueError(f"config.pbtxt tensors {declared} do not match the protocol {expected}")
 
@@ -62,15 +60,14 @@ class TritonModelHandler:
             import torch
 
             torch.cuda.set_device(device)
-        config = EngineConfig.from_model_config(
-            model_config, model_dir=Path(args["model_repository"]), device=device
-        )
+        config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
         self.engine = Engine(config)
         from manylora.metrics import AdapterMetrics
 
-        self.metrics = AdapterMetrics(pb_utils, {"model": args.get("model_name", "gliner2"),
-                                                 "instance": args.get("model_instance_name", "")})
+        self.metrics = AdapterMetrics(
+            pb_utils, {"model": args.get("model_name", "gliner2"), "instance": args.get("model_instance_name", "")}
+        )
 
     def _error(self, exc: RequestError):
         pb = self.pb_utils
@@ -93,7 +90,9 @@ class TritonModelHandler:
             if isinstance(result, RequestError):
                 responses.append(self._error(result))
             else:
-                responses.append(pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))]))
+                responses.append(
+                    pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))])
+                )
         self.metrics.publish(self.engine)
         return responses
 

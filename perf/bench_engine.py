@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -88,8 +87,12 @@ def run_engine_mode(engine, texts, schema, adapters, batch, warmup_batches, devi
     elapsed = time.perf_counter() - start
     n = sum(len(b) for b in batches[warmup_batches:])
     return {
-        "requests": n, "seconds": elapsed, "req_per_s": n / elapsed, "errors": errors,
-        "batch_p50_ms": 1e3 * _percentile(latencies, 50), "batch_p95_ms": 1e3 * _percentile(latencies, 95),
+        "requests": n,
+        "seconds": elapsed,
+        "req_per_s": n / elapsed,
+        "errors": errors,
+        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
+        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
         "batch_p99_ms": 1e3 * _percentile(latencies, 99),
         "split_s": {k: round(v, 4) for k, v in split.items()},
     }
@@ -149,9 +152,16 @@ def run_hotswap_mode(server, texts, schema, adapters, seconds_cap, device):
         if time.perf_counter() - start > seconds_cap:
             break
     elapsed = time.perf_counter() - start
-    return {"requests": n, "seconds": elapsed, "req_per_s": n / elapsed, "errors": 0,
-            "batch_p50_ms": 1e3 * _percentile(latencies, 50), "batch_p95_ms": 1e3 * _percentile(latencies, 95),
-            "batch_p99_ms": 1e3 * _percentile(latencies, 99), "disk_loads": server.disk_loads}
+    return {
+        "requests": n,
+        "seconds": elapsed,
+        "req_per_s": n / elapsed,
+        "errors": 0,
+        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
+        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
+        "batch_p99_ms": 1e3 * _percentile(latencies, 99),
+        "disk_loads": server.disk_loads,
+    }
 
 
 def machine() -> dict:
@@ -176,10 +186,18 @@ def main(argv=None) -> int:
     p.add_argument("--host-slots", type=int, default=128)
     p.add_argument("--max-rank", type=int, default=16)
     p.add_argument("--hotswap-seconds", type=float, default=20.0)
-    p.add_argument("--hotswap-at", type=int, nargs="*", default=None,
-                   help="adapters-in-flight values at which to run hotswap (default: all)")
-    p.add_argument("--cold", action="store_true",
-                   help="start every case with empty adapter caches (default: preload the pool, steady state)")
+    p.add_argument(
+        "--hotswap-at",
+        type=int,
+        nargs="*",
+        default=None,
+        help="adapters-in-flight values at which to run hotswap (default: all)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="start every case with empty adapter caches (default: preload the pool, steady state)",
+    )
     p.add_argument("--words", type=int, nargs=2, default=[60, 120])
     p.add_argument("--schema", choices=["entities", "mixed"], default="entities")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run in seconds (harness check)")
@@ -202,16 +220,21 @@ def main(argv=None) -> int:
     if args.make_adapters:
         template = args.adapters / "_template"
         if not (template / "adapter_model.safetensors").is_file():
-            build_demo_adapter(args.checkpoint, template, DemoAdapter("template", 16, 32,
-                                                                        ["encoder", "all_task_heads"]), seed=0)
+            build_demo_adapter(
+                args.checkpoint, template, DemoAdapter("template", 16, 32, ["encoder", "all_task_heads"]), seed=0
+            )
         clone_random_adapters(template, args.adapters, args.make_adapters, seed=1)
     names = sorted(p.name for p in args.adapters.iterdir() if p.name.startswith("adapter-")) if args.adapters else []
 
     schema = ENTITY_SCHEMA if args.schema == "entities" else MIXED_SCHEMA
     n_requests = args.batch * (args.batches + args.warmup)
     texts = demo_texts(n_requests, seed=42, min_words=args.words[0], max_words=args.words[1])
-    params = {"checkpoint": str(args.checkpoint), "max_gpu_adapters": str(args.gpu_slots),
-              "max_cpu_adapters": str(args.host_slots), "max_lora_rank": str(args.max_rank)}
+    params = {
+        "checkpoint": str(args.checkpoint),
+        "max_gpu_adapters": str(args.gpu_slots),
+        "max_cpu_adapters": str(args.host_slots),
+        "max_lora_rank": str(args.max_rank),
+    }
     if args.adapters:
         params["adapter_dir"] = str(args.adapters)
     engine = Engine(EngineConfig.from_parameters(params, device=device))
@@ -219,18 +242,33 @@ def main(argv=None) -> int:
     rows = []
 
     def emit(row):
-        row.update({"machine": machine(), "device": device, "dtype": str(dtype), "batch": args.batch,
-                    "schema": args.schema, "gpu_slots": args.gpu_slots, "host_slots": args.host_slots})
+        row.update(
+            {
+                "machine": machine(),
+                "device": device,
+                "dtype": str(dtype),
+                "batch": args.batch,
+                "schema": args.schema,
+                "gpu_slots": args.gpu_slots,
+                "host_slots": args.host_slots,
+            }
+        )
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"{row['mode']:9s} {row.get('adapters_in_flight', 0):5d} {row.get('distribution', '-'):8s} "
-              f"{row['req_per_s']:9.1f} req/s  p95 {row['batch_p95_ms']:8.1f} ms  {row.get('split_s', '')}",
-              flush=True)
+        print(
+            f"{row['mode']:9s} {row.get('adapters_in_flight', 0):5d} {row.get('distribution', '-'):8s} "
+            f"{row['req_per_s']:9.1f} req/s  p95 {row['batch_p95_ms']:8.1f} ms  {row.get('split_s', '')}",
+            flush=True,
+        )
 
     if "base" in args.modes:
-        emit({"mode": "base", **run_engine_mode(engine, texts, schema, [""] * n_requests, args.batch,
-                                                 args.warmup, device)})
+        emit(
+            {
+                "mode": "base",
+                **run_engine_mode(engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device),
+            }
+        )
     for k in args.adapters_in_flight:
         pool = names[:k]
         if len(pool) < k:
@@ -245,8 +283,16 @@ def main(argv=None) -> int:
                     for i in range(0, len(adapters), args.gpu_slots):
                         engine.store.acquire(adapters[i : i + args.gpu_slots])
                 r = run_engine_mode(engine, texts, schema, chosen, args.batch, args.warmup, device)
-                emit({"mode": "manylora", "adapters_in_flight": k, "distribution": dist, **r,
-                      "loads": dict(engine.store.loads), "caches": "cold" if args.cold else "preloaded"})
+                emit(
+                    {
+                        "mode": "manylora",
+                        "adapters_in_flight": k,
+                        "distribution": dist,
+                        **r,
+                        "loads": dict(engine.store.loads),
+                        "caches": "cold" if args.cold else "preloaded",
+                    }
+                )
             if "hotswap" in args.modes and dist == "uniform" and (args.hotswap_at is None or k in args.hotswap_at):
                 server = HotSwapServer(args.checkpoint, args.adapters, 25, device, dtype)
                 r = run_hotswap_mode(server, texts, schema, chosen, args.hotswap_seconds, device)
@@ -256,12 +302,16 @@ def main(argv=None) -> int:
     base = next((r for r in rows if r["mode"] == "base"), None)
     print("\nmode      adapters dist      req/s   x base  x hotswap")
     for r in rows:
-        hot = next((h for h in rows if h["mode"] == "hotswap" and h.get("adapters_in_flight") ==
-                    r.get("adapters_in_flight")), None)
+        hot = next(
+            (h for h in rows if h["mode"] == "hotswap" and h.get("adapters_in_flight") == r.get("adapters_in_flight")),
+            None,
+        )
         ratio_base = r["req_per_s"] / base["req_per_s"] if base else float("nan")
         ratio_hot = r["req_per_s"] / hot["req_per_s"] if hot else float("nan")
-        print(f"{r['mode']:9s} {r.get('adapters_in_flight', 0):8d} {r.get('distribution', '-'):8s} "
-              f"{r['req_per_s']:8.1f} {ratio_base:8.2f} {ratio_hot:9.1f}")
+        print(
+            f"{r['mode']:9s} {r.get('adapters_in_flight', 0):8d} {r.get('distribution', '-'):8s} "
+            f"{r['req_per_s']:8.1f} {ratio_base:8.2f} {ratio_hot:9.1f}"
+        )
     return 0
 
 

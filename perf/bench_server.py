@@ -33,25 +33,32 @@ REPO_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "gliner2
 def adapter_names(folder: Path | None) -> list[str]:
     if folder is None:
         return []
-    return sorted(p.name for p in Path(folder).iterdir()
-                  if p.is_dir() and (p / "adapter_model.safetensors").is_file() and not p.name.startswith("_"))
+    return sorted(
+        p.name
+        for p in Path(folder).iterdir()
+        if p.is_dir() and (p / "adapter_model.safetensors").is_file() and not p.name.startswith("_")
+    )
 
 
-def make_input_data(path: Path, count: int, adapters: list[str], distribution: str, seed: int = 0,
-                    words=(60, 120), schema=ENTITY_SCHEMA) -> Path:
+def make_input_data(
+    path: Path, count: int, adapters: list[str], distribution: str, seed: int = 0, words=(60, 120), schema=ENTITY_SCHEMA
+) -> Path:
     """perf_analyzer --input-data JSON: one entry per request, cycled by perf_analyzer."""
     from manylora.demo import demo_texts
 
     texts = demo_texts(count, seed=seed, min_words=words[0], max_words=words[1])
     chosen = pick_adapters(adapters, count, distribution, seed) if adapters else [""] * count
-    data = [{
-        "TEXT": {"content": [text], "shape": [1]},
-        "SCHEMA": {"content": [json.dumps(schema)], "shape": [1]},
-        "ADAPTER_ID": {"content": [adapter], "shape": [1]},
-        "THRESHOLD": {"content": [0.5], "shape": [1]},
-        "INCLUDE_CONFIDENCE": {"content": [False], "shape": [1]},
-        "INCLUDE_SPANS": {"content": [False], "shape": [1]},
-    } for text, adapter in zip(texts, chosen)]
+    data = [
+        {
+            "TEXT": {"content": [text], "shape": [1]},
+            "SCHEMA": {"content": [json.dumps(schema)], "shape": [1]},
+            "ADAPTER_ID": {"content": [adapter], "shape": [1]},
+            "THRESHOLD": {"content": [0.5], "shape": [1]},
+            "INCLUDE_CONFIDENCE": {"content": [False], "shape": [1]},
+            "INCLUDE_SPANS": {"content": [False], "shape": [1]},
+        }
+        for text, adapter in zip(texts, chosen)
+    ]
     path.write_text(json.dumps({"data": data}))
     return path
 
@@ -84,11 +91,37 @@ def perf_analyzer_env() -> dict:
     return env
 
 
-def run_perf_analyzer(url: str, data: Path, csv_path: Path, *, concurrency: int | None = None,
-                      rate: float | None = None, interval_ms: int = 8000, protocol: str = "grpc") -> dict:
-    cmd = [shutil.which("perf_analyzer") or str(Path(sys.prefix) / "bin" / "perf_analyzer"), "-m", "gliner2", "-i", protocol, "-u", url, "--input-data", str(data),
-           "--measurement-interval", str(interval_ms), "--percentile", "95", "-f", str(csv_path),
-           "--stability-percentage", "999", "--max-trials", "3"]
+def run_perf_analyzer(
+    url: str,
+    data: Path,
+    csv_path: Path,
+    *,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    interval_ms: int = 8000,
+    protocol: str = "grpc",
+) -> dict:
+    cmd = [
+        shutil.which("perf_analyzer") or str(Path(sys.prefix) / "bin" / "perf_analyzer"),
+        "-m",
+        "gliner2",
+        "-i",
+        protocol,
+        "-u",
+        url,
+        "--input-data",
+        str(data),
+        "--measurement-interval",
+        str(interval_ms),
+        "--percentile",
+        "95",
+        "-f",
+        str(csv_path),
+        "--stability-percentage",
+        "999",
+        "--max-trials",
+        "3",
+    ]
     cmd += ["--concurrency-range", str(concurrency)] if concurrency else ["--request-rate-range", str(rate)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=perf_analyzer_env())
     if proc.returncode != 0:
@@ -97,10 +130,16 @@ def run_perf_analyzer(url: str, data: Path, csv_path: Path, *, concurrency: int 
         row = next(csv.DictReader(f))
     return {
         "req_per_s": float(row["Inferences/Second"]),
-        "p50_ms": float(row["p50 latency"]) / 1e3, "p95_ms": float(row["p95 latency"]) / 1e3,
-        "p99_ms": float(row["p99 latency"]) / 1e3, "avg_queue_ms": float(row.get("Server Queue", 0)) / 1e3,
-        "avg_compute_ms": (float(row.get("Server Compute Input", 0)) + float(row.get("Server Compute Infer", 0))
-                           + float(row.get("Server Compute Output", 0))) / 1e3,
+        "p50_ms": float(row["p50 latency"]) / 1e3,
+        "p95_ms": float(row["p95 latency"]) / 1e3,
+        "p99_ms": float(row["p99 latency"]) / 1e3,
+        "avg_queue_ms": float(row.get("Server Queue", 0)) / 1e3,
+        "avg_compute_ms": (
+            float(row.get("Server Compute Input", 0))
+            + float(row.get("Server Compute Infer", 0))
+            + float(row.get("Server Compute Output", 0))
+        )
+        / 1e3,
     }
 
 
@@ -135,8 +174,12 @@ def main(argv=None) -> int:
     if url is None:
         from manylora.tritonserver import TritonServer
 
-        params = {"checkpoint": str(args.checkpoint.resolve()), "max_gpu_adapters": str(args.gpu_slots),
-                  "max_cpu_adapters": str(max(args.host_slots, args.gpu_slots)), "max_lora_rank": str(args.max_rank)}
+        params = {
+            "checkpoint": str(args.checkpoint.resolve()),
+            "max_gpu_adapters": str(args.gpu_slots),
+            "max_cpu_adapters": str(max(args.host_slots, args.gpu_slots)),
+            "max_lora_rank": str(args.max_rank),
+        }
         if args.adapters:
             params["adapter_dir"] = str(args.adapters.resolve())
             params["preload_adapters"] = "all"  # steady state: the fleet is resident before traffic
@@ -147,24 +190,40 @@ def main(argv=None) -> int:
     rows = []
     try:
         for mode in args.modes:
-            data = make_input_data(work / f"{mode}.json", args.requests, names if mode == "lora" else [],
-                                   args.distribution)
+            data = make_input_data(
+                work / f"{mode}.json", args.requests, names if mode == "lora" else [], args.distribution
+            )
             # warm-up pass (discarded): adapters reach the caches, kernels compile, shapes are seen
-            run_perf_analyzer(url, data, work / f"{mode}-warmup.csv", concurrency=args.concurrency[0],
-                              interval_ms=args.warmup_ms)
+            run_perf_analyzer(
+                url, data, work / f"{mode}-warmup.csv", concurrency=args.concurrency[0], interval_ms=args.warmup_ms
+            )
             loads = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
             for kind, value in loads:
-                result = run_perf_analyzer(url, data, work / f"{mode}-{kind}-{value}.csv",
-                                           concurrency=value if kind == "concurrency" else None,
-                                           rate=value if kind == "rate" else None, interval_ms=args.interval_ms)
-                row = {"mode": mode, kind: value, "adapters": len(names) if mode == "lora" else 0,
-                       "distribution": args.distribution, "instances": args.instances, "gpu_slots": args.gpu_slots,
-                       **result}
+                result = run_perf_analyzer(
+                    url,
+                    data,
+                    work / f"{mode}-{kind}-{value}.csv",
+                    concurrency=value if kind == "concurrency" else None,
+                    rate=value if kind == "rate" else None,
+                    interval_ms=args.interval_ms,
+                )
+                row = {
+                    "mode": mode,
+                    kind: value,
+                    "adapters": len(names) if mode == "lora" else 0,
+                    "distribution": args.distribution,
+                    "instances": args.instances,
+                    "gpu_slots": args.gpu_slots,
+                    **result,
+                }
                 rows.append(row)
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-                print(f"{mode:5s} {kind} {value:>7}: {result['req_per_s']:9.1f} req/s  p50 {result['p50_ms']:7.1f}"
-                      f"  p95 {result['p95_ms']:7.1f}  p99 {result['p99_ms']:7.1f} ms", flush=True)
+                print(
+                    f"{mode:5s} {kind} {value:>7}: {result['req_per_s']:9.1f} req/s  p50 {result['p50_ms']:7.1f}"
+                    f"  p95 {result['p95_ms']:7.1f}  p99 {result['p99_ms']:7.1f} ms",
+                    flush=True,
+                )
     finally:
         if server is not None:
             server.stop()

@@ -23,9 +23,9 @@ from locust import User, between, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import ENTITY_SCHEMA  # noqa: E402
-
 from manylora.client import protocol  # noqa: E402
 from manylora.client.transport import infer_inputs  # noqa: E402
+
 from manylora.demo import demo_texts  # noqa: E402
 
 TEXTS = demo_texts(256, seed=7)
@@ -64,8 +64,13 @@ class _TritonUser(User):
         except Exception as exc:  # reported to locust as a failure
             exception = exc
         self.environment.events.request.fire(
-            request_type=self.protocol_name, name="gliner2", response_time=(time.perf_counter() - started) * 1e3,
-            response_length=length, exception=exception, context={})
+            request_type=self.protocol_name,
+            name="gliner2",
+            response_time=(time.perf_counter() - started) * 1e3,
+            response_length=length,
+            exception=exception,
+            context={},
+        )
 
 
 class GrpcUser(_TritonUser):

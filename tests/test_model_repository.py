@@ -47,17 +47,20 @@ def test_committed_parameters_load_as_they_are(tmp_path, tiny_checkpoint, demo_a
     assert config.max_gpu_adapters == 32 and config.max_cpu_adapters == 128
 
 
-@pytest.mark.parametrize("parameters,message", [
-    ({"gpu_slots": "4"}, "unknown parameter"),
-    ({"max_gpu_adapters": "many"}, "'max_gpu_adapters'"),
-    ({"max_gpu_adapters": "0"}, "'max_gpu_adapters'"),
-    ({"dtype": "${DTYPE}"}, "unfilled template"),
-    ({"dtype": "float64"}, "'dtype'"),
-    ({"kernel_backend": "cuda"}, "'kernel_backend'"),
-    ({"max_gpu_adapters": "64", "max_cpu_adapters": "8"}, "max_cpu_adapters"),
-    ({"adapter_dir": "/no/such/folder"}, "'adapter_dir'"),
-    ({"dtype": "bfloat16"}, "needs a GPU"),
-])
+@pytest.mark.parametrize(
+    "parameters,message",
+    [
+        ({"gpu_slots": "4"}, "unknown parameter"),
+        ({"max_gpu_adapters": "many"}, "'max_gpu_adapters'"),
+        ({"max_gpu_adapters": "0"}, "'max_gpu_adapters'"),
+        ({"dtype": "${DTYPE}"}, "unfilled template"),
+        ({"dtype": "float64"}, "'dtype'"),
+        ({"kernel_backend": "cuda"}, "'kernel_backend'"),
+        ({"max_gpu_adapters": "64", "max_cpu_adapters": "8"}, "max_cpu_adapters"),
+        ({"adapter_dir": "/no/such/folder"}, "'adapter_dir'"),
+        ({"dtype": "bfloat16"}, "needs a GPU"),
+    ],
+)
 def test_bad_parameters_name_the_key(tiny_checkpoint, parameters, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **parameters})

@@ -29,8 +29,15 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 # PEFT LoRA variants whose update is not a plain scale * x A^T B^T on a linear layer
 _UNSUPPORTED_OPTIONS = (
-    "trainable_token_indices", "layer_replication", "fan_in_fan_out", "alora_invocation_tokens",
-    "arrow_config", "kasa_config", "monteclora_config", "use_qalora", "lora_ga_config",
+    "trainable_token_indices",
+    "layer_replication",
+    "fan_in_fan_out",
+    "alora_invocation_tokens",
+    "arrow_config",
+    "kasa_config",
+    "monteclora_config",
+    "use_qalora",
+    "lora_ga_config",
 )
 
 
@@ -87,7 +94,9 @@ def resolve_adapter_dir(root: Path, adapter_id: str) -> Path:
     if folder.parent != root and root not in folder.parents:
         raise AdapterError("INVALID_ARG", f"adapter {adapter_id!r} resolves outside the adapter directory")
     if not folder.is_dir():
-        raise AdapterError("NOT_FOUND", f"unknown adapter {adapter_id!r}: no folder {adapter_id} in the adapter directory")
+        raise AdapterError(
+            "NOT_FOUND", f"unknown adapter {adapter_id!r}: no folder {adapter_id} in the adapter directory"
+        )
     return folder
 
 
@@ -96,9 +105,7 @@ def weights_fingerprint(folder: Path) -> tuple:
     return (stat.st_mtime_ns, stat.st_size)
 
 
-def load_adapter(
-    name: str, folder: Path, shapes: Mapping[str, tuple[int, int]], max_rank: int
-) -> LoraAdapter:
+def load_adapter(name: str, folder: Path, shapes: Mapping[str, tuple[int, int]], max_rank: int) -> LoraAdapter:
     """Read and validate one adapter folder against the model's linears ``{path: (in, out)}``."""
     from peft.utils.other import get_pattern_key
     from safetensors import SafetensorError

@@ -15,8 +15,15 @@ from manylora.lora.store import AdapterStore
 
 
 class LoraBatch:
-    def __init__(self, store: AdapterStore, meta_builder, slot_per_row: Sequence[int], row_len: int,
-                 targets: set[str], backend: str):
+    def __init__(
+        self,
+        store: AdapterStore,
+        meta_builder,
+        slot_per_row: Sequence[int],
+        row_len: int,
+        targets: set[str],
+        backend: str,
+    ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
         self.backend = backend
@@ -43,9 +50,19 @@ class LoraBatch:
         v = self._scratch.get(x.shape[0])
         if v is None:
             v = self._scratch[x.shape[0]] = torch.empty(
-                x.shape[0], store.max_rank, dtype=torch.float32, device=x.device)
-        kernels.lora_apply(x, y, store.a[name], store.b[name], store.scales[name], self.meta,
-                           backend=self.backend, ranks=store.ranks, v=v)
+                x.shape[0], store.max_rank, dtype=torch.float32, device=x.device
+            )
+        kernels.lora_apply(
+            x,
+            y,
+            store.a[name],
+            store.b[name],
+            store.scales[name],
+            self.meta,
+            backend=self.backend,
+            ranks=store.ranks,
+            v=v,
+        )
 
     def project_table(self, name: str, window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """Position table through ``name`` per slot group: ``base`` [1, W, out] + each adapter's update."""

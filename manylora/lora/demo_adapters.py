@@ -13,8 +13,8 @@ heads only, suffix-only ``target_modules``, rsLoRA, and rank/alpha patterns.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,8 +75,13 @@ def build_demo_adapter(checkpoint: Path, out: Path, spec: DemoAdapter, seed: int
 
     model = GLiNER2.from_pretrained(str(checkpoint))
     config = LoraConfig(
-        r=spec.rank, lora_alpha=spec.alpha, target_modules=_target_modules(model, spec), bias="none",
-        use_rslora=spec.rslora, rank_pattern=spec.rank_pattern, alpha_pattern=spec.alpha_pattern,
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        target_modules=_target_modules(model, spec),
+        bias="none",
+        use_rslora=spec.rslora,
+        rank_pattern=spec.rank_pattern,
+        alpha_pattern=spec.alpha_pattern,
         lora_dropout=0.0,
     )
     peft_model = get_peft_model(model, config)
@@ -85,7 +90,7 @@ def build_demo_adapter(checkpoint: Path, out: Path, spec: DemoAdapter, seed: int
         for name, param in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 fan_in = param.shape[1]
-                param.copy_(torch.randn(param.shape, generator=generator) * (strength / fan_in ** 0.5))
+                param.copy_(torch.randn(param.shape, generator=generator) * (strength / fan_in**0.5))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     peft_model.save_pretrained(str(tmp))
@@ -94,8 +99,9 @@ def build_demo_adapter(checkpoint: Path, out: Path, spec: DemoAdapter, seed: int
     return out
 
 
-def build_demo_adapters(checkpoint: Path, out_dir: Path, specs=DEMO_ADAPTERS, seed: int = 0,
-                        force: bool = False) -> dict[str, Path]:
+def build_demo_adapters(
+    checkpoint: Path, out_dir: Path, specs=DEMO_ADAPTERS, seed: int = 0, force: bool = False
+) -> dict[str, Path]:
     """All demo adapters under ``out_dir`` (idempotent: existing complete folders are kept)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,9 +111,21 @@ def build_demo_adapters(checkpoint: Path, out_dir: Path, specs=DEMO_ADAPTERS, se
         if force or not (folder / "adapter_model.safetensors").is_file():
             build_demo_adapter(Path(checkpoint), folder, spec, seed + i)
         paths[spec.name] = folder
-    (out_dir / "demo_adapters.json").write_text(json.dumps(
-        {s.name: {"rank": s.rank, "alpha": s.alpha, "targets": s.targets, "rslora": s.rslora,
-                  "adapts_heads": s.adapts_heads} for s in specs}, indent=1))
+    (out_dir / "demo_adapters.json").write_text(
+        json.dumps(
+            {
+                s.name: {
+                    "rank": s.rank,
+                    "alpha": s.alpha,
+                    "targets": s.targets,
+                    "rslora": s.rslora,
+                    "adapts_heads": s.adapts_heads,
+                }
+                for s in specs
+            },
+            indent=1,
+        )
+    )
     return paths
 
 
@@ -125,8 +143,14 @@ if __name__ == "__main__":
     main()
 
 
-def clone_random_adapters(template: Path, out_dir: Path, count: int, seed: int = 0, strength: float = STRENGTH,
-                          dtype: torch.dtype = torch.bfloat16) -> list[Path]:
+def clone_random_adapters(
+    template: Path,
+    out_dir: Path,
+    count: int,
+    seed: int = 0,
+    strength: float = STRENGTH,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Path]:
     """``count`` adapters shaped like the PEFT-written ``template``: same config and keys,
     new seeded random weights. Fast enough for the 1,024-adapter benchmarks (PEFT would
     rebuild the whole model per adapter)."""
@@ -143,8 +167,10 @@ def clone_random_adapters(template: Path, out_dir: Path, count: int, seed: int =
         if not (folder / "adapter_model.safetensors").is_file():
             folder.mkdir(exist_ok=True)
             (folder / "adapter_config.json").write_text(config)
-            weights = {k: (torch.randn(t.shape, generator=generator) * (strength / t.shape[1] ** 0.5)).to(dtype)
-                       for k, t in tensors.items()}
+            weights = {
+                k: (torch.randn(t.shape, generator=generator) * (strength / t.shape[1] ** 0.5)).to(dtype)
+                for k, t in tensors.items()
+            }
             save_file(weights, str(folder / "adapter_model.safetensors.partial"))
             os.replace(folder / "adapter_model.safetensors.partial", folder / "adapter_model.safetensors")
         folders.append(folder)

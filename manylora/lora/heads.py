@@ -122,7 +122,8 @@ class HeadLoras:
     @contextmanager
     def _set(self, prefixes: tuple[str, ...], rows: Optional[Sequence[int]] = None, single: Optional[int] = None):
         active = self.row_slots is not None and (
-            (rows is not None and any(s >= 0 for s in rows)) or (single is not None and single >= 0))
+            (rows is not None and any(s >= 0 for s in rows)) or (single is not None and single >= 0)
+        )
         chosen = [m for n, m in self.linears.items() if n.startswith(prefixes)] if active else []
         device = next(iter(self.linears.values())).base.weight.device if chosen else None
         for module in chosen:
@@ -168,8 +169,9 @@ class HeadLoras:
         with self._set(("count_pred",), rows=[slots[row] for row, _, _ in records]):
             counts = model.count_pred(torch.stack([e[0] for _, _, e in records])).argmax(dim=-1).tolist()
 
-        counted = [(row, task, embeddings, int(count)) for (row, task, embeddings), count
-                   in zip(records, counts) if count > 0]
+        counted = [
+            (row, task, embeddings, int(count)) for (row, task, embeddings), count in zip(records, counts) if count > 0
+        ]
         for (row, task, _), count in zip(records, counts):
             pred_counts[row][task] = int(count)
         queries: list[list[torch.Tensor]] = [[] for _ in range(rows)]
@@ -190,8 +192,8 @@ class HeadLoras:
             return raw_logits, pred_counts
         with self._set(("span_rep",), rows=[slots[row] for row in active]):
             logits = model.compute_span_scores_batched(
-                [all_token_embs[row] for row in active], [torch.cat(queries[row]) for row in active],
-                mask_invalid=True)
+                [all_token_embs[row] for row in active], [torch.cat(queries[row]) for row in active], mask_invalid=True
+            )
         by_row = dict(zip(active, logits))
         for (row, task), (start, stop, count_dim, field_dim) in where.items():
             task_logits = by_row[row][start:stop]

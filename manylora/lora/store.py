@@ -53,7 +53,8 @@ class AdapterStore:
             if need > 0.8 * free:
                 raise MemoryError(
                     f"{gpu_slots} GPU adapter slots at rank {max_rank} need {need / 2**30:.1f} GiB; "
-                    f"{free / 2**30:.1f} GiB is free: lower max_gpu_adapters or max_lora_rank")
+                    f"{free / 2**30:.1f} GiB is free: lower max_gpu_adapters or max_lora_rank"
+                )
         logger.info("adapter slots: %d on %s at rank %d take %.2f GiB", gpu_slots, device, max_rank, need / 2**30)
         self.root = None if root is None else Path(root)
         self.shapes = dict(shapes)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from manylora.client import protocol
 from tritonclient.utils import InferenceServerException
 
-from manylora.client import protocol
 from manylora.compare import result_differences
 from manylora.demo import demo_schemas, demo_texts
 
@@ -41,10 +41,17 @@ def _copy_model(src: Path, dst: Path, checkpoint: Path, extra_parameters: str = 
 def server(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapters):
     repo = tmp_path_factory.mktemp("repo")
     adapter_root = next(iter(demo_adapters.values())).parent
-    _copy_model(REPO_MODEL, repo / "gliner2", tiny_checkpoint, delay_us=BATCH_DELAY_US, extra_parameters=(
-        f'parameters {{ key: "adapter_dir" value: {{ string_value: "{adapter_root}" }} }}\n'
-        'parameters { key: "max_gpu_adapters" value: { string_value: "4" } }\n'
-        'parameters { key: "max_cpu_adapters" value: { string_value: "6" } }\n'))
+    _copy_model(
+        REPO_MODEL,
+        repo / "gliner2",
+        tiny_checkpoint,
+        delay_us=BATCH_DELAY_US,
+        extra_parameters=(
+            f'parameters {{ key: "adapter_dir" value: {{ string_value: "{adapter_root}" }} }}\n'
+            'parameters { key: "max_gpu_adapters" value: { string_value: "4" } }\n'
+            'parameters { key: "max_cpu_adapters" value: { string_value: "6" } }\n'
+        ),
+    )
     bad = {
         "gliner2_unknown_key": 'parameters { key: "gpu_slotz" value: { string_value: "4" } }\n',
         "gliner2_bad_value": 'parameters { key: "max_batch_tokens" value: { string_value: "lots" } }\n',
@@ -69,15 +76,21 @@ def _expected(reference_model, request: protocol.Request):
     from gliner2.inference.schema import Schema
 
     (result,) = reference_model.batch_extract(
-        [request.text], Schema.from_json(request.schema), threshold=request.threshold,
-        include_confidence=request.include_confidence, include_spans=request.include_spans)
+        [request.text],
+        Schema.from_json(request.schema),
+        threshold=request.threshold,
+        include_confidence=request.include_confidence,
+        include_spans=request.include_spans,
+    )
     return json.loads(json.dumps(result))  # what survives the wire: tuples become lists
 
 
 def _requests(n=6):
     schemas = demo_schemas()
-    return [protocol.Request(t, json.dumps(schemas[i % len(schemas)]), include_confidence=True)
-            for i, t in enumerate(demo_texts(n, seed=3))]
+    return [
+        protocol.Request(t, json.dumps(schemas[i % len(schemas)]), include_confidence=True)
+        for i, t in enumerate(demo_texts(n, seed=3))
+    ]
 
 
 @pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
@@ -129,11 +142,14 @@ def test_dynamic_batch_with_a_bad_request_answers_the_others(server, reference_m
     assert inferences == len(requests) and executions < len(requests), "requests were batched together"
 
 
-@pytest.mark.parametrize("model,message", [
-    ("gliner2_unknown_key", "gpu_slotz"),
-    ("gliner2_bad_value", "max_batch_tokens"),
-    ("gliner2_template", "unfilled template"),
-])
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ("gliner2_unknown_key", "gpu_slotz"),
+        ("gliner2_bad_value", "max_batch_tokens"),
+        ("gliner2_template", "unfilled template"),
+    ],
+)
 def test_bad_config_fails_to_load_naming_the_key(server, model, message):
     client = httpclient.InferenceServerClient(server.http_url)
     with pytest.raises(InferenceServerException, match=re.escape(message)):
@@ -161,7 +177,6 @@ def test_client_mixed_adapters_equal_peft_per_adapter(server, demo_adapters, pef
     """>= 8 adapters (ranks 4-64, some with head LoRA) and base rows in concurrent requests:
     each answer equals GLiNER2 + PEFT with that adapter alone. 4 GPU slots force waves."""
     from gliner2.inference.schema import Schema
-
     from manylora.client import ManyLoRAClient
 
     url = server.grpc_url if protocol_name == "grpc" else server.http_url
@@ -186,12 +201,18 @@ def test_client_api_mirrors_gliner2(server, reference_model):
     text = demo_texts(1, seed=22)[0]
     with ManyLoRAClient(server.grpc_url) as client:
         pairs = [
-            (client.classify_text(text, {"topic": ["business", "sport", "science"]}),
-             reference_model.classify_text(text, {"topic": ["business", "sport", "science"]})),
-            (client.extract_relations(text, ["works_for", "located_in"], include_confidence=True),
-             reference_model.extract_relations(text, ["works_for", "located_in"], include_confidence=True)),
-            (client.extract_json(text, {"deal": ["buyer::str", "kind::[cash|stock]"]}),
-             reference_model.extract_json(text, {"deal": ["buyer::str", "kind::[cash|stock]"]})),
+            (
+                client.classify_text(text, {"topic": ["business", "sport", "science"]}),
+                reference_model.classify_text(text, {"topic": ["business", "sport", "science"]}),
+            ),
+            (
+                client.extract_relations(text, ["works_for", "located_in"], include_confidence=True),
+                reference_model.extract_relations(text, ["works_for", "located_in"], include_confidence=True),
+            ),
+            (
+                client.extract_json(text, {"deal": ["buyer::str", "kind::[cash|stock]"]}),
+                reference_model.extract_json(text, {"deal": ["buyer::str", "kind::[cash|stock]"]}),
+            ),
         ]
     for got, expected in pairs:
         assert not result_differences(got, json.loads(json.dumps(expected)))
@@ -206,9 +227,28 @@ def test_server_benchmark_runs_perf_analyzer_against_the_server(server, demo_ada
     out = tmp_path / "server.jsonl"
     adapter_root = next(iter(demo_adapters.values())).parent
     proc = subprocess.run(
-        [sys.executable, str(perf / "bench_server.py"), "--url", server.grpc_url, "--adapters", str(adapter_root),
-         "--concurrency", "2", "--requests", "16", "--interval-ms", "2000", "--warmup-ms", "1000", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(perf / "bench_server.py"),
+            "--url",
+            server.grpc_url,
+            "--adapters",
+            str(adapter_root),
+            "--concurrency",
+            "2",
+            "--requests",
+            "16",
+            "--interval-ms",
+            "2000",
+            "--warmup-ms",
+            "1000",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["base", "lora"]
@@ -226,8 +266,11 @@ def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters)
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
 
     def value(name, *labels):
-        lines = [line for line in text.splitlines()
-                 if line.startswith(name + "{") and all(label in line for label in ('model="gliner2"', *labels))]
+        lines = [
+            line
+            for line in text.splitlines()
+            if line.startswith(name + "{") and all(label in line for label in ('model="gliner2"', *labels))
+        ]
         assert lines, f"{name} {labels} not exported"
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
@@ -246,12 +289,37 @@ def test_locustfile_drives_grpc_and_http_users(server, demo_adapters, tmp_path):
     import sys
 
     perf = Path(__file__).resolve().parents[2] / "perf"
-    env = dict(os.environ, MANYLORA_ADAPTERS=str(next(iter(demo_adapters.values())).parent),
-               MANYLORA_GRPC_PORT=str(server.grpc_port), MANYLORA_HTTP_PORT=str(server.http_port))
+    env = dict(
+        os.environ,
+        MANYLORA_ADAPTERS=str(next(iter(demo_adapters.values())).parent),
+        MANYLORA_GRPC_PORT=str(server.grpc_port),
+        MANYLORA_HTTP_PORT=str(server.http_port),
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "locust", "-f", str(perf / "locustfile.py"), "--headless", "-u", "4", "-r", "4",
-         "-t", "6s", "-H", "127.0.0.1", "--csv", str(tmp_path / "locust"), "--only-summary"],
-        capture_output=True, text=True, timeout=300, env=env)
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(perf / "locustfile.py"),
+            "--headless",
+            "-u",
+            "4",
+            "-r",
+            "4",
+            "-t",
+            "6s",
+            "-H",
+            "127.0.0.1",
+            "--csv",
+            str(tmp_path / "locust"),
+            "--only-summary",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with open(tmp_path / "locust_stats.csv") as f:
         rows = {row["Type"]: row for row in csv.DictReader(f) if row["Name"] == "gliner2"}

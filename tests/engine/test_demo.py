@@ -45,9 +45,12 @@ def test_layout_matches_gliner2_base_v1(tiny_checkpoint):
     encoder = _read_json(tiny_checkpoint / "encoder_config" / "config.json")
     geometry = demo.SIZES["tiny"]
     assert encoder["model_type"] == "deberta-v2"
-    assert (encoder["hidden_size"], encoder["num_hidden_layers"], encoder["num_attention_heads"],
-            encoder["intermediate_size"]) == (geometry.hidden_size, geometry.num_hidden_layers,
-                                              geometry.num_attention_heads, geometry.intermediate_size)
+    assert (
+        encoder["hidden_size"],
+        encoder["num_hidden_layers"],
+        encoder["num_attention_heads"],
+        encoder["intermediate_size"],
+    ) == (geometry.hidden_size, geometry.num_hidden_layers, geometry.num_attention_heads, geometry.intermediate_size)
     assert _deberta_v3_options(encoder)
     manifest = _read_json(tiny_checkpoint / demo.MANIFEST)
     # the encoder vocabulary counts GLiNER2's 10 special tokens on top of the trained pieces
@@ -56,17 +59,27 @@ def test_layout_matches_gliner2_base_v1(tiny_checkpoint):
 
 def _deberta_v3_options(encoder: dict) -> bool:
     expected = {
-        "relative_attention": True, "position_buckets": 256, "max_relative_positions": -1,
-        "pos_att_type": ["p2c", "c2p"], "share_att_key": True, "norm_rel_ebd": "layer_norm",
-        "position_biased_input": False, "max_position_embeddings": 512, "type_vocab_size": 0,
+        "relative_attention": True,
+        "position_buckets": 256,
+        "max_relative_positions": -1,
+        "pos_att_type": ["p2c", "c2p"],
+        "share_att_key": True,
+        "norm_rel_ebd": "layer_norm",
+        "position_biased_input": False,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 0,
     }
     return all(encoder[key] == value for key, value in expected.items())
 
 
 def test_base_geometry_is_deberta_v3_base():
     encoder = demo._encoder_config(demo.SIZES["base"], vocab_size=demo.TOKENIZER_VOCAB + 10).to_dict()
-    assert (encoder["hidden_size"], encoder["num_hidden_layers"], encoder["num_attention_heads"],
-            encoder["intermediate_size"]) == (768, 12, 12, 3072)
+    assert (
+        encoder["hidden_size"],
+        encoder["num_hidden_layers"],
+        encoder["num_attention_heads"],
+        encoder["intermediate_size"],
+    ) == (768, 12, 12, 3072)
     assert _deberta_v3_options(encoder)
 
 
@@ -75,9 +88,15 @@ def test_state_dict_has_every_gliner2_module(tiny_checkpoint):
 
     with safe_open(str(tiny_checkpoint / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    for prefix in ("encoder.encoder.layer.1.attention.self.query_proj", "encoder.encoder.rel_embeddings",
-                   "span_rep.span_rep_layer.out_project.3", "classifier.2", "count_pred.2",
-                   "count_embed.gru.weight_ih_l0", "count_embed.projector.2"):
+    for prefix in (
+        "encoder.encoder.layer.1.attention.self.query_proj",
+        "encoder.encoder.rel_embeddings",
+        "span_rep.span_rep_layer.out_project.3",
+        "classifier.2",
+        "count_pred.2",
+        "count_embed.gru.weight_ih_l0",
+        "count_embed.projector.2",
+    ):
         assert any(key.startswith(prefix) for key in keys), prefix
 
 
@@ -93,8 +112,7 @@ def test_loads_offline_fast(tiny_checkpoint, monkeypatch):
     assert time.perf_counter() - start < 2.0
     tokenizer = loaded.processor.tokenizer
     assert len(tokenizer) == loaded.encoder.config.vocab_size
-    assert all(tokenizer.convert_tokens_to_ids(t) >= demo.TOKENIZER_VOCAB
-               for t in loaded.processor.SPECIAL_TOKENS)
+    assert all(tokenizer.convert_tokens_to_ids(t) >= demo.TOKENIZER_VOCAB for t in loaded.processor.SPECIAL_TOKENS)
 
 
 def test_tokenizer_reloads_identically(tiny_checkpoint, texts):
@@ -119,8 +137,9 @@ def test_tokenizer_reloads_identically(tiny_checkpoint, texts):
 def test_entity_spans_are_calibrated(model, texts, schema):
     from gliner2 import Schema
 
-    results = model.batch_extract(texts, Schema.from_dict(schema), batch_size=8,
-                                  include_confidence=True, include_spans=True)
+    results = model.batch_extract(
+        texts, Schema.from_dict(schema), batch_size=8, include_confidence=True, include_spans=True
+    )
     per_label, confidences = [], []
     for text, result in zip(texts, results):
         text = text if text.endswith((".", "!", "?")) else text + "."  # GLiNER2 adds the end mark
@@ -129,7 +148,7 @@ def test_entity_spans_are_calibrated(model, texts, schema):
             spans = value if isinstance(value, list) else [value] if value else []
             per_label.append(len(spans))
             for span in spans:
-                assert text[span["start"]:span["end"]] == span["text"]
+                assert text[span["start"] : span["end"]] == span["text"]
                 assert 0.39 <= span["confidence"] <= 1.0
                 confidences.append(span["confidence"])
     assert 0.5 <= statistics.mean(per_label) <= 6.0
@@ -142,11 +161,18 @@ def test_entity_spans_are_calibrated(model, texts, schema):
 def test_classification_returns_labels(model, texts):
     from gliner2 import Schema
 
-    single, multi = ({"classifications": [c]} for c in (
-        {"task": "sentiment", "labels": ["positive", "negative", "neutral"]},
-        {"task": "topic", "labels": ["business", "politics", "sports", "science"],
-         "multi_label": True, "cls_threshold": 0.5},
-    ))
+    single, multi = (
+        {"classifications": [c]}
+        for c in (
+            {"task": "sentiment", "labels": ["positive", "negative", "neutral"]},
+            {
+                "task": "topic",
+                "labels": ["business", "politics", "sports", "science"],
+                "multi_label": True,
+                "cls_threshold": 0.5,
+            },
+        )
+    )
     chosen = set()
     for result in model.batch_extract(texts, Schema.from_dict(single), include_confidence=True):
         assert result["sentiment"]["label"] in single["classifications"][0]["labels"]
@@ -154,8 +180,9 @@ def test_classification_returns_labels(model, texts):
     assert len(chosen) >= 2
     sizes = []
     for result in model.batch_extract(texts, Schema.from_dict(multi), include_confidence=True):
-        assert result["topic"] and all(item["label"] in multi["classifications"][0]["labels"]
-                                       for item in result["topic"])
+        assert result["topic"] and all(
+            item["label"] in multi["classifications"][0]["labels"] for item in result["topic"]
+        )
         sizes.append(len(result["topic"]))
     assert 1.0 <= statistics.mean(sizes) < 4.0
 

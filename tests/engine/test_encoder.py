@@ -9,11 +9,21 @@ from manylora.encoder import Encoder, EncoderGeometry
 
 def _config(**overrides):
     kw = dict(
-        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=512, relative_attention=True,
-        position_buckets=256, max_relative_positions=-1, pos_att_type=["p2c", "c2p"],
-        share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
-        type_vocab_size=0, hidden_act="gelu",
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        relative_attention=True,
+        position_buckets=256,
+        max_relative_positions=-1,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_biased_input=False,
+        type_vocab_size=0,
+        hidden_act="gelu",
     )
     kw.update(overrides)
     return DebertaV2Config(**kw)
@@ -56,10 +66,15 @@ def test_long_sequence_uses_log_buckets():
     torch.testing.assert_close(ours(ids, mask), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("option,value", [
-    ("share_att_key", False), ("position_biased_input", True), ("type_vocab_size", 2),
-    ("relative_attention", False),
-])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("share_att_key", False),
+        ("position_biased_input", True),
+        ("type_vocab_size", 2),
+        ("relative_attention", False),
+    ],
+)
 def test_unsupported_geometry_is_refused_by_name(option, value):
     with pytest.raises(ValueError, match=option):
         EncoderGeometry.from_config(_config(**{option: value}))

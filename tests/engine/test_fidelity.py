@@ -60,8 +60,16 @@ def test_cases_cover_all_task_kinds():
         for s in (schema.get("structures") or {}).values():
             if any(f.get("choices") for f in s["fields"]):
                 kinds.add("choices")
-    assert {"entities", "entity descriptions", "classifications", "single_label", "multi_label",
-            "relations", "structures", "choices"} <= kinds
+    assert {
+        "entities",
+        "entity descriptions",
+        "classifications",
+        "single_label",
+        "multi_label",
+        "relations",
+        "structures",
+        "choices",
+    } <= kinds
     assert len(_cases()) >= 50
 
 
@@ -77,23 +85,29 @@ def test_mixed_batch_equals_gliner2(tiny_engine, reference_model):
 @pytest.mark.parametrize("threshold,include_spans", [(0.3, True), (0.8, False)])
 def test_threshold_and_spans_options(tiny_engine, reference_model, threshold, include_spans):
     cases = _cases()[:20]
-    expected = _reference(reference_model, cases, threshold=threshold, include_confidence=True,
-                          include_spans=include_spans)
-    got = tiny_engine.run([
-        Request(t, json.dumps(s), threshold=threshold, include_confidence=True, include_spans=include_spans)
-        for t, s in cases
-    ])
+    expected = _reference(
+        reference_model, cases, threshold=threshold, include_confidence=True, include_spans=include_spans
+    )
+    got = tiny_engine.run(
+        [
+            Request(t, json.dumps(s), threshold=threshold, include_confidence=True, include_spans=include_spans)
+            for t, s in cases
+        ]
+    )
     _assert_same(got, expected, cases)
 
 
 def test_requests_with_different_options_in_one_call(tiny_engine, reference_model):
     cases = _cases()[:6]
-    requests = [Request(t, json.dumps(s), threshold=0.3 + 0.1 * i, include_confidence=bool(i % 2))
-                for i, (t, s) in enumerate(cases)]
+    requests = [
+        Request(t, json.dumps(s), threshold=0.3 + 0.1 * i, include_confidence=bool(i % 2))
+        for i, (t, s) in enumerate(cases)
+    ]
     got = tiny_engine.run(requests)
     for request, case, g in zip(requests, cases, got):
-        (e,) = _reference(reference_model, [case], threshold=request.threshold,
-                          include_confidence=request.include_confidence)
+        (e,) = _reference(
+            reference_model, [case], threshold=request.threshold, include_confidence=request.include_confidence
+        )
         assert not result_differences(g, e), (case, g, e)
 
 
@@ -114,27 +128,30 @@ def test_encoder_states_equal_transformers_on_checkpoint(tiny_engine, reference_
     from gliner2.inference.schema import Schema
 
     cases = _cases()[:8]
-    batch = reference_model.processor.collate_fn_inference(
-        [(t, Schema.from_dict(s).build()) for t, s in cases])
+    batch = reference_model.processor.collate_fn_inference([(t, Schema.from_dict(s).build()) for t, s in cases])
     with torch.no_grad():
-        expected = reference_model.encoder(input_ids=batch.input_ids,
-                                           attention_mask=batch.attention_mask).last_hidden_state
+        expected = reference_model.encoder(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).last_hidden_state
     got = tiny_engine.encoder(batch.input_ids, batch.attention_mask)
     mask = batch.attention_mask.bool()
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("request_kwargs,message", [
-    (dict(text="", schema='{"entities": ["a"]}'), "TEXT is empty"),
-    (dict(text="   \n", schema='{"entities": ["a"]}'), "TEXT is empty"),
-    (dict(text="x", schema="{not json"), "not valid JSON"),
-    (dict(text="x", schema="[1, 2]"), "must be a JSON object"),
-    (dict(text="x", schema="{}"), "At least one of entities"),
-    (dict(text="x", schema='{"entities": []}'), "cannot be empty"),
-    (dict(text="x", schema='{"entitys": ["a"]}'), "not a valid GLiNER2 schema"),
-    (dict(text="x", schema='{"classifications": [{"task": "t", "labels": ["only"]}]}'), "labels"),
-    (dict(text="x", schema='{"entities": ["a"]}', adapter="nope"), "unknown adapter"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs,message",
+    [
+        (dict(text="", schema='{"entities": ["a"]}'), "TEXT is empty"),
+        (dict(text="   \n", schema='{"entities": ["a"]}'), "TEXT is empty"),
+        (dict(text="x", schema="{not json"), "not valid JSON"),
+        (dict(text="x", schema="[1, 2]"), "must be a JSON object"),
+        (dict(text="x", schema="{}"), "At least one of entities"),
+        (dict(text="x", schema='{"entities": []}'), "cannot be empty"),
+        (dict(text="x", schema='{"entitys": ["a"]}'), "not a valid GLiNER2 schema"),
+        (dict(text="x", schema='{"classifications": [{"task": "t", "labels": ["only"]}]}'), "labels"),
+        (dict(text="x", schema='{"entities": ["a"]}', adapter="nope"), "unknown adapter"),
+    ],
+)
 def test_bad_requests_fail_alone(tiny_engine, reference_model, request_kwargs, message):
     good = Request("Ada Lovelace met Charles Babbage in London.", json.dumps({"entities": ["person", "city"]}))
     bad = Request(**request_kwargs)

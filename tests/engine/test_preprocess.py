@@ -10,9 +10,16 @@ from manylora.demo import demo_schemas, demo_texts
 from manylora.preprocess import RecordBuilder
 
 TEXTS = demo_texts(30, seed=31) + [
-    "x", "No end mark here", "Ends with a question?", "Ünïcödé wörds — and (brackets) | pipes, commas",
-    "email me at a.b@example.com or see https://example.com/x?y=1 @handle", "İstanbul İİ", "\u200bzero\u200dwidth",
-    "   spaced   out   ", "(", "[E] [SEP_TEXT] fake specials in text.",
+    "x",
+    "No end mark here",
+    "Ends with a question?",
+    "Ünïcödé wörds — and (brackets) | pipes, commas",
+    "email me at a.b@example.com or see https://example.com/x?y=1 @handle",
+    "İstanbul İİ",
+    "\u200bzero\u200dwidth",
+    "   spaced   out   ",
+    "(",
+    "[E] [SEP_TEXT] fake specials in text.",
 ]
 
 
@@ -37,11 +44,47 @@ def test_records_equal_gliner2(reference_model, schema_index):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-ASCII_PIECES = st.sampled_from([
-    "word", "Word", "a-b", "a_b", "x--y", "-", "_", "http://a.b/c?d=e", "https://x.y", "www.site.org/p", "a.b@c.de",
-    "me@x.io", "@hand_le", "@", ".", ",", "(", ")", "|", "'", '"', "3.14", "1,000", "\x1c", "\x1f", "\t", "\n", " ",
-    "  ", "\x0b", "e.g.", "U.S.A.", "co-op_x", "$5", "100%", "a+b@c.com", "WWW.X.COM",
-])
+ASCII_PIECES = st.sampled_from(
+    [
+        "word",
+        "Word",
+        "a-b",
+        "a_b",
+        "x--y",
+        "-",
+        "_",
+        "http://a.b/c?d=e",
+        "https://x.y",
+        "www.site.org/p",
+        "a.b@c.de",
+        "me@x.io",
+        "@hand_le",
+        "@",
+        ".",
+        ",",
+        "(",
+        ")",
+        "|",
+        "'",
+        '"',
+        "3.14",
+        "1,000",
+        "\x1c",
+        "\x1f",
+        "\t",
+        "\n",
+        " ",
+        "  ",
+        "\x0b",
+        "e.g.",
+        "U.S.A.",
+        "co-op_x",
+        "$5",
+        "100%",
+        "a+b@c.com",
+        "WWW.X.COM",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -44,14 +44,17 @@ def test_peft_written_adapters_load(demo_adapters, tiny_engine):
         assert len(adapter.modules) * 2 == len(tensors)
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"use_dora": True}, "DoRA"),
-    ({"modules_to_save": ["classifier"]}, "modules_to_save"),
-    ({"bias": "all"}, "biases"),
-    ({"peft_type": "IA3"}, "not LORA"),
-    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
-    ({"r": 3}, "does not match"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["classifier"]}, "modules_to_save"),
+        ({"bias": "all"}, "biases"),
+        ({"peft_type": "IA3"}, "not LORA"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"r": 3}, "does not match"),
+    ],
+)
 def test_refused_configs_say_why(tmp_path, config, message):
     with pytest.raises(AdapterError, match=message) as info:
         load_adapter("x", _write(tmp_path / "x", config), SHAPES, max_rank=4)
@@ -63,14 +66,19 @@ def test_rank_above_maximum_is_refused(tmp_path):
         load_adapter("x", _write(tmp_path / "x"), SHAPES, max_rank=1)
 
 
-@pytest.mark.parametrize("key,shape,message", [
-    ("base_model.model.encoder.embeddings.word_embeddings.lora_embedding_A", (2, 8), "embeddings"),
-    ("base_model.model.nope.lora_A.weight", (2, 8), "not a linear layer"),
-    ("base_model.model.encoder.encoder.layer.0.attention.self.query_proj.lora_A.weight", (2, 5), "do not fit"),
-])
+@pytest.mark.parametrize(
+    "key,shape,message",
+    [
+        ("base_model.model.encoder.embeddings.word_embeddings.lora_embedding_A", (2, 8), "embeddings"),
+        ("base_model.model.nope.lora_A.weight", (2, 8), "not a linear layer"),
+        ("base_model.model.encoder.encoder.layer.0.attention.self.query_proj.lora_A.weight", (2, 5), "do not fit"),
+    ],
+)
 def test_bad_tensors_are_refused(tmp_path, key, shape, message):
-    tensors = {key: torch.randn(*shape), key.replace("lora_A", "lora_B").replace("embedding_A", "embedding_B"):
-               torch.randn(8, 2)}
+    tensors = {
+        key: torch.randn(*shape),
+        key.replace("lora_A", "lora_B").replace("embedding_A", "embedding_B"): torch.randn(8, 2),
+    }
     with pytest.raises(AdapterError, match=message):
         load_adapter("x", _write(tmp_path / "x", tensors=tensors), SHAPES, max_rank=4)
 

@@ -66,8 +66,7 @@ def test_mixed_batch_equals_peft_per_adapter(tiny_checkpoint, demo_adapters, pef
 
 def test_more_adapters_than_gpu_slots_are_served_in_waves(tiny_checkpoint, demo_adapters, peft_reference):
     names = sorted(demo_adapters)
-    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, max_gpu_adapters=3,
-                     max_cpu_adapters=4)
+    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, max_gpu_adapters=3, max_cpu_adapters=4)
     requests = _mixed_requests(names, per_adapter=2, seed=12)
     chunks = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
     assert len(chunks) >= len(names) // 3

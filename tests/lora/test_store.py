@@ -21,9 +21,13 @@ def _adapter(root, name, value=1.0, rank=2):
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank}))
-    save_file({"base_model.model.lin.lora_A.weight": torch.full((rank, 6), value),
-               "base_model.model.lin.lora_B.weight": torch.full((5, rank), value)},
-              str(folder / "adapter_model.safetensors"))
+    save_file(
+        {
+            "base_model.model.lin.lora_A.weight": torch.full((rank, 6), value),
+            "base_model.model.lin.lora_B.weight": torch.full((5, rank), value),
+        },
+        str(folder / "adapter_model.safetensors"),
+    )
     return folder
 
 
@@ -31,8 +35,9 @@ def _adapter(root, name, value=1.0, rank=2):
 def store(tmp_path):
     for i in range(6):
         _adapter(tmp_path, f"a{i}", value=float(i + 1))
-    return AdapterStore(tmp_path, SHAPES, max_rank=4, gpu_slots=2, host_slots=3,
-                        device=torch.device("cpu"), dtype=torch.float32)
+    return AdapterStore(
+        tmp_path, SHAPES, max_rank=4, gpu_slots=2, host_slots=3, device=torch.device("cpu"), dtype=torch.float32
+    )
 
 
 def test_slots_hold_the_adapter_weights_zero_padded_to_max_rank(store):

@@ -15,8 +15,12 @@ import bench_server  # noqa: E402
 
 def test_engine_benchmark_smoke_writes_every_mode(tmp_path):
     out = tmp_path / "engine.jsonl"
-    proc = subprocess.run([sys.executable, str(PERF / "bench_engine.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(PERF / "bench_engine.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"base", "manylora", "hotswap"}
