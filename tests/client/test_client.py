@@ -53,9 +53,13 @@ class FakeTransport:
     ``fail`` maps a text to the exception its request fails with.
     """
 
-    def __init__(self, fail=None, max_delay=0.01):
+    def __init__(self, fail=None, max_delay=0.01, wait_for=0):
         self.fail = fail or {}
         self.max_delay = max_delay
+        # answers are held until this many requests are in flight at once (deterministic
+        # concurrency checks on a loaded machine; 0 = never held)
+        self.wait_for = wait_for
+        self._reached = threading.Event()
         self.sent = []
         self.futures = []
         self.in_flight = 0
@@ -79,8 +83,11 @@ class FakeTransport:
             self.futures.append(future)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if self.in_flight >= self.wait_for:
+                self._reached.set()
 
         def work():
+            self._reached.wait(5)
             time.sleep(random.uniform(0, self.max_delay))
             with self._lock:
                 self.in_flight -= 1
@@ -119,7 +126,7 @@ NOT_FOUND = InferenceServerException("unknown adapter 'nope'", status="StatusCod
 
 
 def test_batch_results_come_back_in_input_order_with_requests_in_flight_together():
-    transport = FakeTransport(max_delay=0.02)
+    transport = FakeTransport(max_delay=0.02, wait_for=8)
     client = make_client(transport)
     texts = [f"text {i}" for i in range(50)]
     results = client.batch_extract(texts, ENTITIES, batch_size=8)
@@ -128,7 +135,7 @@ def test_batch_results_come_back_in_input_order_with_requests_in_flight_together
 
 
 def test_window_defaults_to_the_client_concurrency():
-    transport = FakeTransport(max_delay=0.02)
+    transport = FakeTransport(max_delay=0.02, wait_for=5)
     client = make_client(transport, concurrency=5)
     client.batch_extract_entities([str(i) for i in range(30)], ["person"])
     assert transport.max_in_flight == 5
