@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import pytest
 
@@ -103,13 +102,11 @@ def test_state_dict_has_every_gliner2_module(tiny_checkpoint):
 # -- loading and tokenizer ----------------------------------------------------------------
 
 
-def test_loads_offline_fast(tiny_checkpoint, monkeypatch):
+def test_loads_offline(tiny_checkpoint, monkeypatch):
     from gliner2 import GLiNER2
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.perf_counter()
     loaded = GLiNER2.from_pretrained(str(tiny_checkpoint))
-    assert time.perf_counter() - start < 2.0
     tokenizer = loaded.processor.tokenizer
     assert len(tokenizer) == loaded.encoder.config.vocab_size
     assert all(tokenizer.convert_tokens_to_ids(t) >= demo.TOKENIZER_VOCAB for t in loaded.processor.SPECIAL_TOKENS)
