@@ -16,9 +16,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 /usr/bin/time -f "demo-base built in %e s" python3 -m manylora.demo --size base --out "$MODELS/demo-base"
 python3 perf/bench_engine.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
-  --make-adapters "$ADAPTERS" --adapters-in-flight 1 32 "$ADAPTERS" --distributions uniform \
+  --make-adapters "$ADAPTERS" --adapters-in-flight ${IN_FLIGHT:-1 8 32 128 $ADAPTERS} --distributions ${DISTRIBUTIONS:-uniform zipf} \
   --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 2 --hotswap-at "$ADAPTERS" --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
   --hotswap-seconds ${HOTSWAP_SECONDS:-15} --out "$OUT/engine.jsonl"
 python3 perf/bench_server.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
-  --instances ${INSTANCES:-2} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
+  --instances ${INSTANCES:-4} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
   --concurrency ${CONCURRENCY:-256} --requests 1024 --interval-ms 5000 --out "$OUT/server.jsonl"
