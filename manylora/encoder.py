@@ -111,9 +111,8 @@ class EncoderGeometry:
             refuse("embedding_size", config.embedding_size)
         if "layer_norm" not in str(getattr(config, "norm_rel_ebd", "none")).lower():
             refuse("norm_rel_ebd", getattr(config, "norm_rel_ebd", None))
-        pos_att = [p.strip() for p in (config.pos_att_type or [])]
-        if isinstance(config.pos_att_type, str):
-            pos_att = [p.strip() for p in config.pos_att_type.lower().split("|")]
+        raw = config.pos_att_type or []
+        pos_att = [p.strip().lower() for p in (raw.split("|") if isinstance(raw, str) else raw)]
         if not set(pos_att) <= {"c2p", "p2c"}:
             refuse("pos_att_type", config.pos_att_type)
         heads = config.num_attention_heads

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributions as the engine benchmark
+from bench_engine import ENTITY_SCHEMA, machine, pick_adapters  # same request distributions as the engine benchmark
 
 REPO_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "gliner2"
 
@@ -215,6 +215,7 @@ def main(argv=None) -> int:
                     "instances": args.instances,
                     "gpu_slots": args.gpu_slots,
                     **result,
+                    "machine": machine(),
                 }
                 rows.append(row)
                 with open(args.out, "a") as f:
