@@ -1,4 +1,5 @@
-"""SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update.
+"""SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update;
+and DeBERTa's relative-position attention bias in one pass (relpos.py).
 
 Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_sgmv_meta
-from .reference import TOLERANCES, sgmv_expand_ref, sgmv_shrink_ref
+from .reference import TOLERANCES, relpos_bias_ref, sgmv_expand_ref, sgmv_shrink_ref
 
 BACKENDS = ("triton", "torch")
 
@@ -32,6 +33,8 @@ __all__ = [
     "default_backend",
     "expand",
     "lora_apply",
+    "relpos_bias",
+    "relpos_bias_ref",
     "sgmv_expand_ref",
     "sgmv_shrink_ref",
     "shrink",
@@ -105,3 +108,22 @@ def lora_apply(
         v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     shrink(x, lora_a, meta, v, ranks, backend)
     return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend)
+
+
+def relpos_bias(
+    c2p: torch.Tensor | None,  # [B, h, L, W]
+    p2c: torch.Tensor | None,  # [B, h, L, W]
+    rel_index: torch.Tensor,  # int32 [2L - 1]
+    key_bias: torch.Tensor,  # [B, L] additive
+    scale: float,
+    out_dtype: torch.dtype,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """bias[b, h, i, j] = key_bias[b, j] + scale * (c2p[b, h, i, r] + p2c[b, h, j, r]),
+    r = rel_index[j - i + L - 1]. See relpos.py."""
+    _check_backend(backend)
+    if backend == "torch":
+        return relpos_bias_ref(c2p, p2c, rel_index, key_bias, scale, out_dtype)
+    from .relpos import relpos_bias as kernel
+
+    return kernel(c2p, p2c, rel_index, key_bias, scale, out_dtype)

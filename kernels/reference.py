@@ -81,3 +81,26 @@ def sgmv_expand_ref(
         y_rows = y_cols[start:end]
         y_rows.copy_((y_rows.float() + scales_host[slot] * delta).to(y.dtype))
     return y
+
+
+def relpos_bias_ref(
+    c2p: torch.Tensor | None,  # [B, h, L, W]
+    p2c: torch.Tensor | None,  # [B, h, L, W]
+    rel_index: torch.Tensor,  # int [2L - 1]
+    key_bias: torch.Tensor,  # [B, L]
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """DeBERTa's attention bias by plain gathers in float32 (see relpos.py):
+    bias[b, h, i, j] = key_bias[b, j] + scale * (c2p[b, h, i, rel(i, j)] + p2c[b, h, j, rel(i, j)])
+    with rel(i, j) = rel_index[j - i + L - 1]."""
+    ref = c2p if c2p is not None else p2c
+    batch, heads, length, _ = ref.shape
+    pos = torch.arange(length, device=rel_index.device)
+    index = rel_index.long()[pos[None, :] - pos[:, None] + length - 1]  # [L(i), L(j)]
+    acc = torch.zeros(batch, heads, length, length, dtype=torch.float32, device=ref.device)
+    if c2p is not None:
+        acc += torch.gather(c2p.float(), -1, index.expand(batch, heads, length, length))
+    if p2c is not None:  # p2c[b, h, j, rel(i, j)]: gather along rows j, then swap to [i, j]
+        acc += torch.gather(p2c.float(), -1, index.t().expand(batch, heads, length, length)).transpose(-1, -2)
+    return (acc * scale + key_bias.float().view(batch, 1, 1, length)).to(out_dtype)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from manylora import kernels
+
 if TYPE_CHECKING:  # pragma: no cover
     from manylora.lora.batch import LoraBatch
 
@@ -142,11 +144,13 @@ class EncoderGeometry:
 
 @lru_cache(maxsize=64)
 def _relative_index(length: int, buckets: int, max_position: int, device: str):
-    """Window-relative gather indices for a sequence of ``length`` tokens.
+    """Window-relative position rows for a sequence of ``length`` tokens.
 
-    Returns ``(lo, hi, c2p_index [L, L], p2c_index [L, L])``: the table rows
-    ``lo..hi`` are the only ones read; indices are relative to ``lo``. Uses
-    transformers' own bucketing so positions match the reference exactly.
+    Returns ``(lo, hi, rel_index)``: the table rows ``lo..hi`` are the only ones read, and
+    the pair (query i, key j) reads row ``lo + rel_index[j - i + length - 1]`` for its c2p
+    term (through key_proj) and for its p2c term (through query_proj): DeBERTa's p2c index
+    of (j, i) equals the c2p index of (i, j) because the log buckets are odd in i - j.
+    Uses transformers' own bucketing so positions match the reference exactly.
     """
     from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
 
@@ -155,9 +159,30 @@ def _relative_index(length: int, buckets: int, max_position: int, device: str):
     rel = make_log_bucket_position(rel, buckets, max_position).to(torch.long)
     c2p = torch.clamp(rel + buckets, 0, 2 * buckets - 1)
     p2c = torch.clamp(-rel + buckets, 0, 2 * buckets - 1)
-    lo = int(torch.minimum(c2p.min(), p2c.min()))
-    hi = int(torch.maximum(c2p.max(), p2c.max()))
-    return lo, hi, (c2p - lo).to(device), (p2c - lo).to(device)
+    if not torch.equal(p2c.t(), c2p):  # pragma: no cover - transformers' bucketing changed
+        raise ValueError("relative position buckets are not odd in i - j; the encoder cannot use them")
+    lo = int(c2p.min())
+    hi = int(c2p.max())
+    # row of (i, j) by j - i: i = length - 1 covers j - i <= 0, i = 0 covers j - i > 0
+    rel_index = torch.cat([c2p[length - 1], c2p[0, 1:]]) - lo
+    return lo, hi, rel_index.to(device=device, dtype=torch.int32)
+
+
+def _position_scores(x: torch.Tensor, table: torch.Tensor, row_table, batch: int, length: int, heads: int):
+    """x [B*L, H] against the position table per head: [B, h, L, W] (a strided view).
+
+    One table ([1, W, H]): one GEMM per head over all B*L tokens. A table per row group
+    ([G, W, H], adapters on query/key_proj): each row against its own group's table.
+    """
+    window, hidden = table.shape[1], table.shape[2]
+    dh = hidden // heads
+    if row_table is None or table.shape[0] == 1:
+        xh = x.view(batch * length, heads, dh).transpose(0, 1)  # [h, B*L, d]
+        th = table[0].view(window, heads, dh).permute(1, 2, 0)  # [h, d, W]
+        return torch.bmm(xh, th).view(heads, batch, length, window).transpose(0, 1)
+    xb = x.view(batch, length, heads, dh).transpose(1, 2)  # [B, h, L, d]
+    tb = table.index_select(0, row_table).view(batch, window, heads, dh).permute(0, 2, 3, 1)  # [B, h, d, W]
+    return torch.matmul(xb, tb)
 
 
 class EncoderLayer(nn.Module):
@@ -187,44 +212,35 @@ class EncoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, L, H]
-        key_bias: torch.Tensor,  # [B, 1, 1, L] additive mask
+        key_bias: torch.Tensor,  # [B, L] additive mask, fp32
         pos_q: torch.Tensor,  # [G, W, H] position table through query_proj (+ LoRA)
         pos_k: torch.Tensor,  # [G, W, H] position table through key_proj (+ LoRA)
         row_table: Optional[torch.Tensor],  # [B] table index per row, None when G == 1
-        c2p_index: torch.Tensor,  # [L, L]
-        p2c_index: torch.Tensor,  # [L, L]
+        rel_index: torch.Tensor,  # int32 [2L - 1], see _relative_index
         lora: Optional["LoraBatch"],
+        backend: str,
     ) -> torch.Tensor:
         g = self.geometry
         batch, length, hidden = x.shape
         heads, dh = g.num_heads, g.head_size
         flat = x.reshape(batch * length, hidden)
 
-        def split(t: torch.Tensor) -> torch.Tensor:  # [B*L, H] -> [B, h, L, d]
+        def split(t: torch.Tensor) -> torch.Tensor:  # [B*L, H] -> [B, h, L, d] (a view)
             return t.view(batch, length, heads, dh).transpose(1, 2)
 
-        q = split(self.query(flat, lora))
-        k = split(self.key(flat, lora))
+        q_flat = self.query(flat, lora)
+        k_flat = self.key(flat, lora)
         v = split(self.value(flat, lora))
 
         scale_factor = 1 + int(g.c2p) + int(g.p2c)
         inv_scale = 1.0 / math.sqrt(dh * scale_factor)
-        bias = key_bias
-        window = pos_q.shape[1]
-
-        def table(t: torch.Tensor) -> torch.Tensor:  # [G, W, H] -> [B or 1, h, W, d]
-            t = t.view(t.shape[0], window, heads, dh).transpose(1, 2)
-            return t if row_table is None or t.shape[0] == 1 else t.index_select(0, row_table)
-
-        if g.c2p:
-            c2p = torch.matmul(q, table(pos_k).transpose(-1, -2))  # [B, h, L, W]
-            c2p = torch.gather(c2p, -1, c2p_index.expand(batch, heads, length, length))
-            bias = bias + c2p * inv_scale
-        if g.p2c:
-            p2c = torch.matmul(k, table(pos_q).transpose(-1, -2))  # [B, h, Lk, W]
-            p2c = torch.gather(p2c, -1, p2c_index.expand(batch, heads, length, length))
-            bias = bias + p2c.transpose(-1, -2) * inv_scale
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=inv_scale)
+        c2p = _position_scores(q_flat, pos_k, row_table, batch, length, heads) if g.c2p else None
+        p2c = _position_scores(k_flat, pos_q, row_table, batch, length, heads) if g.p2c else None
+        if c2p is None and p2c is None:
+            bias = key_bias.view(batch, 1, 1, length).to(x.dtype)
+        else:
+            bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, inv_scale, x.dtype, backend)
+        ctx = F.scaled_dot_product_attention(split(q_flat), split(k_flat), v, attn_mask=bias, scale=inv_scale)
         ctx = ctx.transpose(1, 2).reshape(batch * length, hidden)
 
         attn = F.layer_norm(self.attn_out(ctx, lora) + flat, (hidden,), *self.attn_norm, g.layer_norm_eps)
@@ -269,6 +285,8 @@ class Encoder(nn.Module):
         self.register_buffer("rel_table", rel_table.detach().clone(), persistent=False)
         self.register_buffer("pos_q", torch.stack(pos_q).detach().clone(), persistent=False)
         self.register_buffer("pos_k", torch.stack(pos_k).detach().clone(), persistent=False)
+        # attention-bias backend ("triton" / "torch"); None: triton on CUDA, torch elsewhere
+        self.backend: Optional[str] = None
 
     def linears(self) -> dict[str, AdapterLinear]:
         return {m.name: m for m in self.modules() if isinstance(m, AdapterLinear)}
@@ -287,17 +305,16 @@ class Encoder(nn.Module):
         x = F.embedding(input_ids, self.word_embeddings)
         x = F.layer_norm(x, (g.hidden_size,), *self.embed_norm, g.layer_norm_eps) * mask.unsqueeze(-1)
 
-        lo, hi, c2p_index, p2c_index = _relative_index(
-            length, g.position_buckets, g.max_relative_positions, str(input_ids.device)
-        )
+        lo, hi, rel_index = _relative_index(length, g.position_buckets, g.max_relative_positions, str(input_ids.device))
         window = self.rel_table[lo : hi + 1]
-        key_bias = ((1.0 - mask) * torch.finfo(dtype).min).view(batch, 1, 1, length)
+        key_bias = (1.0 - attention_mask.to(torch.float32)) * torch.finfo(dtype).min  # [B, L]
         row_table = None if lora is None else lora.row_table
+        backend = self.backend or kernels.default_backend(input_ids.device)
         for i, layer in enumerate(self.layers):
             pos_q = self.pos_q[i, lo : hi + 1].unsqueeze(0)
             pos_k = self.pos_k[i, lo : hi + 1].unsqueeze(0)
             if lora is not None:
                 pos_q = lora.project_table(layer.query.name, window, pos_q)
                 pos_k = lora.project_table(layer.key.name, window, pos_k)
-            x = layer(x, key_bias, pos_q, pos_k, row_table, c2p_index, p2c_index, lora)
+            x = layer(x, key_bias, pos_q, pos_k, row_table, rel_index, lora, backend)
         return x

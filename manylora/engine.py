@@ -96,6 +96,7 @@ class Engine:
         self.dtype = config.torch_dtype
         model = load_gliner2(config.checkpoint, "cpu", torch.float32)
         self.encoder = Encoder(model.encoder).to(device=self.device, dtype=self.dtype).eval()
+        self.encoder.backend = config.backend
         # The heads and decoders stay GLiNER2's; the transformers backbone is not needed.
         model.encoder = None
         self.heads = HeadLoras(model)

@@ -1,4 +1,6 @@
-"""Our encoder against transformers' DebertaV2Model (the reference), fp32, within 1e-5."""
+"""Our encoder against transformers' DebertaV2Model (the reference), fp32, within 1e-5,
+with the attention bias built by the torch gathers and by the Triton kernel (run by the
+interpreter on CPU: tests/conftest.py sets TRITON_INTERPRET=1 there)."""
 
 import pytest
 import torch
@@ -41,8 +43,10 @@ def _reference_and_ours(config, seed=0):
 
 @pytest.mark.parametrize("lengths", [[7], [5, 12, 3], [140, 60]])
 @pytest.mark.parametrize("pos_att", [["p2c", "c2p"], ["c2p"]])
-def test_hidden_states_match_transformers(lengths, pos_att):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hidden_states_match_transformers(lengths, pos_att, backend):
     ref, ours = _reference_and_ours(_config(pos_att_type=pos_att))
+    ours.backend = backend
     width = max(lengths)
     ids = torch.randint(1, 300, (len(lengths), width))
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
@@ -56,9 +60,11 @@ def test_hidden_states_match_transformers(lengths, pos_att):
         torch.testing.assert_close(got[row, :n], expected[row, :n], atol=1e-5, rtol=1e-5)
 
 
-def test_long_sequence_uses_log_buckets():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_long_sequence_uses_log_buckets(backend):
     # beyond position_buckets / 2 the relative positions are log-bucketed
     ref, ours = _reference_and_ours(_config(position_buckets=16, max_position_embeddings=64))
+    ours.backend = backend
     ids = torch.randint(1, 300, (2, 50))
     mask = torch.ones_like(ids)
     with torch.no_grad():

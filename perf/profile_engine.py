@@ -1,0 +1,120 @@
+"""Where does a batch's time go? One engine batch under torch.profiler (GPU kernels) and
+cProfile (host Python), for the base model and with per-request adapters.
+
+    python perf/profile_engine.py --checkpoint models/demo-base [--adapters DIR --adapters-in-flight 1024]
+
+Prints the top CUDA kernels of ``forward`` and the top host functions of ``prepare`` +
+``decode``; writes the full tables under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--adapters", type=Path)
+    p.add_argument("--adapters-in-flight", type=int, default=0)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("perf/results/profile"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from manylora.config import EngineConfig
+    from manylora.demo import demo_texts
+    from manylora.engine import Engine, Request
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    params = {"checkpoint": str(args.checkpoint), "max_lora_rank": "16"}
+    names: list[str] = []
+    if args.adapters and args.adapters_in_flight:
+        params.update(
+            adapter_dir=str(args.adapters),
+            max_gpu_adapters=str(args.adapters_in_flight),
+            max_cpu_adapters=str(args.adapters_in_flight),
+            preload_adapters="all",
+        )
+        names = sorted(d.name for d in args.adapters.iterdir() if d.name.startswith("adapter-"))
+        names = names[: args.adapters_in_flight]
+    engine = Engine(EngineConfig.from_parameters(params, device=device))
+    schema = json.dumps({"entities": ["person", "organization", "location", "date", "product"]})
+    texts = demo_texts(args.batch, seed=42, min_words=60, max_words=120)
+    requests = [Request(t, schema, adapter=names[i % len(names)] if names else "") for i, t in enumerate(texts)]
+    tag = f"lora{len(names)}" if names else "base"
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.run(requests)
+        sync()
+        timings = {}
+        t0 = time.perf_counter()
+        prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
+        t1 = time.perf_counter()
+        (chunk,) = engine._chunks(prepared) or [prepared]
+        batch, states, slots = engine.forward(chunk)
+        t2 = time.perf_counter()
+        sync()
+        t3 = time.perf_counter()
+        engine.decode(chunk, batch, states, slots)
+        sync()
+        t4 = time.perf_counter()
+        timings = {
+            "pre_ms": 1e3 * (t1 - t0),
+            "forward_launch_ms": 1e3 * (t2 - t1),
+            "forward_sync_ms": 1e3 * (t3 - t1),
+            "post_ms": 1e3 * (t4 - t3),
+            "tokens": int(batch.input_ids.numel()),
+            "rows": len(chunk),
+            "length": int(batch.input_ids.shape[1]),
+        }
+        print(tag, json.dumps(timings))
+
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            batch, states, slots = engine.forward(chunk)
+            sync()
+        key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40)
+        (args.out / f"forward-{tag}.txt").write_text(table)
+        print(prof.key_averages().table(sort_by=key, row_limit=18))
+
+        with profile(activities=acts) as prof:
+            engine.decode(chunk, batch, states, slots)
+            sync()
+        table = prof.key_averages().table(sort_by=key, row_limit=40)
+        (args.out / f"decode-torch-{tag}.txt").write_text(table)
+        print(prof.key_averages().table(sort_by=key, row_limit=12))
+
+        pr = cProfile.Profile()
+        pr.enable()
+        prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
+        (chunk,) = engine._chunks(prepared) or [prepared]
+        batch, states, slots = engine.forward(chunk)
+        engine.decode(chunk, batch, states, slots)
+        sync()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
+        (args.out / f"host-{tag}.txt").write_text(s.getvalue())
+        print("\n".join(s.getvalue().splitlines()[:60]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
