@@ -163,6 +163,10 @@ def _relative_index(length: int, buckets: int, max_position: int, device: str):
         raise ValueError("relative position buckets are not odd in i - j; the encoder cannot use them")
     lo = int(c2p.min())
     hi = int(c2p.max())
+    # widen the window to a multiple of 16 rows: aligned GEMM outputs pick the fast kernels
+    width = min(-(-(hi - lo + 1) // 16) * 16, 2 * buckets)
+    lo = min(lo, 2 * buckets - width)
+    hi = lo + width - 1
     # row of (i, j) by j - i: i = length - 1 covers j - i <= 0, i = 0 covers j - i > 0
     rel_index = torch.cat([c2p[length - 1], c2p[0, 1:]]) - lo
     return lo, hi, rel_index.to(device=device, dtype=torch.int32)

@@ -63,14 +63,18 @@ def make_input_data(
     return path
 
 
-def bench_repository(dst: Path, parameters: dict[str, str], instances: int, max_batch: int, delay_us: int) -> Path:
-    """A copy of model_repository/gliner2 with the benchmark's settings."""
+def bench_repository(
+    dst: Path, parameters: dict[str, str], instances: int, max_batch: int, delay_us: int, gpus: str = ""
+) -> Path:
+    """A copy of model_repository/gliner2 with the benchmark's settings; ``gpus`` ("0,1"):
+    ``instances`` instances on each of these GPUs, each with its own adapter caches."""
     model = dst / "gliner2"
     shutil.copytree(REPO_MODEL, model, ignore=shutil.ignore_patterns("__pycache__"))
     config = (model / "config.pbtxt").read_text()
     config = re.sub(r"max_batch_size: \d+", f"max_batch_size: {max_batch}", config)
     config = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}", config)
-    config = re.sub(r"count: \d+", f"count: {instances}", config)
+    group = f"count: {instances}" + (f"\n    kind: KIND_GPU\n    gpus: [ {gpus.replace(',', ', ')} ]" if gpus else "")
+    config = re.sub(r"count: \d+", group, config)
     config = re.sub(r"parameters \{.*", "", config, flags=re.S)  # replaced below
     for key, value in parameters.items():
         config += f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
@@ -153,7 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--distribution", choices=["uniform", "zipf"], default="uniform")
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop request rates (req/s)")
-    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--instances", type=int, default=1, help="instances per GPU")
+    p.add_argument("--gpus", default="", help='instance group GPUs, e.g. "0,1" (default: Triton places them)')
     p.add_argument("--gpu-slots", type=int, default=32)
     p.add_argument("--host-slots", type=int, default=128)
     p.add_argument("--max-rank", type=int, default=16)
@@ -183,7 +188,7 @@ def main(argv=None) -> int:
         if args.adapters:
             params["adapter_dir"] = str(args.adapters.resolve())
             params["preload_adapters"] = "all"  # steady state: the fleet is resident before traffic
-        repo = bench_repository(work / "repo", params, args.instances, args.max_batch, args.delay_us)
+        repo = bench_repository(work / "repo", params, args.instances, args.max_batch, args.delay_us, args.gpus)
         server = TritonServer(repo, log_file=work / "tritonserver.log")
         server.start(timeout=900)
         url = server.grpc_url
@@ -213,6 +218,7 @@ def main(argv=None) -> int:
                     "adapters": len(names) if mode == "lora" else 0,
                     "distribution": args.distribution,
                     "instances": args.instances,
+                    "gpus": args.gpus or "default",
                     "gpu_slots": args.gpu_slots,
                     **result,
                     "machine": machine(),

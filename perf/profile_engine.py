@@ -83,6 +83,27 @@ def main(argv=None) -> int:
         }
         print(tag, json.dumps(timings))
 
+        # attention-bias backends side by side: forward time and answers
+        from manylora.compare import result_differences
+
+        answers, forward_ms = {}, {}
+        for backend in ("torch", "triton") if device.startswith("cuda") else ("torch",):
+            engine.encoder.backend = backend
+            answers[backend] = engine.run(requests)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                engine.forward(list(chunk))
+            sync()
+            forward_ms[backend] = 1e3 * (time.perf_counter() - t0) / 5
+        engine.encoder.backend = None
+        if len(answers) == 2:
+            diffs = [result_differences(a, b, atol=2e-2) for a, b in zip(answers["torch"], answers["triton"])]
+            print(
+                f"{tag} forward ms by bias backend: {forward_ms}; requests whose answers differ: "
+                f"{sum(bool(d) for d in diffs)}/{len(diffs)} {[d for d in diffs if d][:3]}"
+            )
+
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])

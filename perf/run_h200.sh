@@ -20,5 +20,5 @@ python3 perf/bench_engine.py --checkpoint "$MODELS/demo-base" --adapters "$MODEL
   --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 2 --hotswap-at "$ADAPTERS" --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
   --hotswap-seconds ${HOTSWAP_SECONDS:-15} --out "$OUT/engine.jsonl"
 python3 perf/bench_server.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
-  --instances ${INSTANCES:-4} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
+  --instances ${INSTANCES:-4} ${GPUS:+--gpus $GPUS} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
   --concurrency ${CONCURRENCY:-256} --requests 1024 --interval-ms 5000 --out "$OUT/server.jsonl"
