@@ -8,7 +8,7 @@ the reference cannot do:
   own low-rank update (``LoraBatch.apply``), and
 * query_proj / key_proj also project the shared relative-position table; with LoRA on
   them every adapter has its own projected table, so each sequence must use its own
-  adapter's table (``LoraBatch.project_table``).
+  adapter's table (``LoraBatch.position_factors``: in low-rank form, never a table per row).
 
 Two constant-folding tricks keep the position work small:
 
@@ -172,21 +172,29 @@ def _relative_index(length: int, buckets: int, max_position: int, device: str):
     return lo, hi, rel_index.to(device=device, dtype=torch.int32)
 
 
-def _position_scores(x: torch.Tensor, table: torch.Tensor, row_table, batch: int, length: int, heads: int):
-    """x [B*L, H] against the position table per head: [B, h, L, W] (a strided view).
+def _position_scores(x: torch.Tensor, table: torch.Tensor, factors, batch: int, length: int, heads: int):
+    """x [B*L, H] against the position table [W, H] per head: [B, h, L, W] (a strided view).
 
-    One table ([1, W, H]): one GEMM per head over all B*L tokens. A table per row group
-    ([G, W, H], adapters on query/key_proj): each row against its own group's table.
+    No adapter on the table's projection: one GEMM per head over all B*L tokens. With
+    adapters (``factors`` from ``LoraBatch.position_factors``): every row's scores are
+    ``[x, x B_b] · [table, s A_b windowᵀ]`` per head, one batched GEMM with K = d + R.
     """
-    window, hidden = table.shape[1], table.shape[2]
+    window, hidden = table.shape
     dh = hidden // heads
-    if row_table is None or table.shape[0] == 1:
+    th = table.view(window, heads, dh).permute(1, 2, 0)  # [h, d, W]
+    if factors is None:
         xh = x.view(batch * length, heads, dh).transpose(0, 1)  # [h, B*L, d]
-        th = table[0].view(window, heads, dh).permute(1, 2, 0)  # [h, d, W]
         return torch.bmm(xh, th).view(heads, batch, length, window).transpose(0, 1)
+    b_rows, v_rows = factors  # [B, H, R], [B, R, W]
+    rank = b_rows.shape[-1]
     xb = x.view(batch, length, heads, dh).transpose(1, 2)  # [B, h, L, d]
-    tb = table.index_select(0, row_table).view(batch, window, heads, dh).permute(0, 2, 3, 1)  # [B, h, d, W]
-    return torch.matmul(xb, tb)
+    u = torch.matmul(xb, b_rows.view(batch, heads, dh, rank))  # [B, h, L, R]
+    lhs = torch.cat([xb, u], dim=-1)  # [B, h, L, d + R]
+    rhs = torch.cat(
+        [th.unsqueeze(0).expand(batch, heads, dh, window), v_rows.unsqueeze(1).expand(batch, heads, rank, window)],
+        dim=2,
+    )  # [B, h, d + R, W]
+    return torch.matmul(lhs, rhs)
 
 
 class EncoderLayer(nn.Module):
@@ -217,9 +225,9 @@ class EncoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [B, L, H]
         key_bias: torch.Tensor,  # [B, L] additive mask, fp32
-        pos_q: torch.Tensor,  # [G, W, H] position table through query_proj (+ LoRA)
-        pos_k: torch.Tensor,  # [G, W, H] position table through key_proj (+ LoRA)
-        row_table: Optional[torch.Tensor],  # [B] table index per row, None when G == 1
+        window: torch.Tensor,  # [W, H] the normalised position rows this length reads
+        pos_q: torch.Tensor,  # [W, H] position table through query_proj (base weights)
+        pos_k: torch.Tensor,  # [W, H] position table through key_proj (base weights)
         rel_index: torch.Tensor,  # int32 [2L - 1], see _relative_index
         lora: Optional["LoraBatch"],
         backend: str,
@@ -238,8 +246,13 @@ class EncoderLayer(nn.Module):
 
         scale_factor = 1 + int(g.c2p) + int(g.p2c)
         inv_scale = 1.0 / math.sqrt(dh * scale_factor)
-        c2p = _position_scores(q_flat, pos_k, row_table, batch, length, heads) if g.c2p else None
-        p2c = _position_scores(k_flat, pos_q, row_table, batch, length, heads) if g.p2c else None
+        c2p = p2c = None
+        if g.c2p:  # queries against the table through key_proj (and each row's key_proj LoRA)
+            factors = None if lora is None else lora.position_factors(self.key.name, window)
+            c2p = _position_scores(q_flat, pos_k, factors, batch, length, heads)
+        if g.p2c:  # keys against the table through query_proj (and each row's query_proj LoRA)
+            factors = None if lora is None else lora.position_factors(self.query.name, window)
+            p2c = _position_scores(k_flat, pos_q, factors, batch, length, heads)
         if c2p is None and p2c is None:
             bias = key_bias.view(batch, 1, 1, length).to(x.dtype)
         else:
@@ -312,13 +325,9 @@ class Encoder(nn.Module):
         lo, hi, rel_index = _relative_index(length, g.position_buckets, g.max_relative_positions, str(input_ids.device))
         window = self.rel_table[lo : hi + 1]
         key_bias = (1.0 - attention_mask.to(torch.float32)) * torch.finfo(dtype).min  # [B, L]
-        row_table = None if lora is None else lora.row_table
         backend = self.backend or kernels.default_backend(input_ids.device)
         for i, layer in enumerate(self.layers):
-            pos_q = self.pos_q[i, lo : hi + 1].unsqueeze(0)
-            pos_k = self.pos_k[i, lo : hi + 1].unsqueeze(0)
-            if lora is not None:
-                pos_q = lora.project_table(layer.query.name, window, pos_q)
-                pos_k = lora.project_table(layer.key.name, window, pos_k)
-            x = layer(x, key_bias, pos_q, pos_k, row_table, rel_index, lora, backend)
+            pos_q = self.pos_q[i, lo : hi + 1]
+            pos_k = self.pos_k[i, lo : hi + 1]
+            x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend)
         return x

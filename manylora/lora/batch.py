@@ -6,7 +6,7 @@ sorted by slot, so each adapter's tokens are contiguous and form one SGMV segmen
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,13 +33,14 @@ class LoraBatch:
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
         )
-        # position tables: one per distinct slot of the batch (the base model's included)
+        # position tables: the low-rank factors per distinct slot (base rows get scale 0)
         group_slots = sorted(set(slot_per_row))
         index = {s: g for g, s in enumerate(group_slots)}
         device = store.device
         self.group_slots = torch.tensor([max(s, 0) for s in group_slots], device=device)
         self.group_has_adapter = torch.tensor([s >= 0 for s in group_slots], device=device)
-        self.row_table = torch.tensor([index[s] for s in slot_per_row], device=device)
+        self.row_group = torch.tensor([index[s] for s in slot_per_row], device=device)
+        self.row_slots = torch.tensor([max(s, 0) for s in slot_per_row], device=device)
         self._scratch: dict = {}
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -64,13 +65,21 @@ class LoraBatch:
             v=v,
         )
 
-    def project_table(self, name: str, window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """Position table through ``name`` per slot group: ``base`` [1, W, out] + each adapter's update."""
+    def position_factors(self, name: str, window: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's LoRA on the position table through ``name``, as two factors.
+
+        DeBERTa projects the position table through query_proj / key_proj; with LoRA there,
+        row b's projected table is ``base + s_b (window A_bᵀ) B_bᵀ``. Scores against it
+        (``x · tableᵀ``) split into the base scores plus ``(x B_b) (s_b A_b windowᵀ)``, so a
+        row never needs its own [W, H] table. Returns ``(B per row [rows, out, R], s A windowᵀ
+        per row [rows, R, W])`` in the table's dtype (zeros for base rows), or None when no
+        adapter of the batch adapts ``name``.
+        """
         if name not in self.targets:
-            return base
+            return None
         store = self.store
-        a = store.a[name].index_select(0, self.group_slots).float()  # [G, R, in]
-        b = store.b[name].index_select(0, self.group_slots).float()  # [G, out, R]
-        scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter
-        delta = torch.matmul(torch.matmul(window.float(), a.transpose(1, 2)), b.transpose(1, 2))
-        return base + (delta * scale.view(-1, 1, 1)).to(base.dtype)
+        a = store.a[name].index_select(0, self.group_slots)  # [G, R, in]
+        scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter  # [G]
+        v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
+        v = v.to(window.dtype).index_select(0, self.row_group)  # [rows, R, W]
+        return store.b[name].index_select(0, self.row_slots), v
