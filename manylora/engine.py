@@ -119,7 +119,7 @@ class Engine:
         self.encoder_targets = set(self.encoder.linears())
         self.head_names = frozenset(self.heads.linears)
         self.heads.bind(self.store)
-        bind_fast_decoding(self.model)
+        self.span_finder = bind_fast_decoding(self.model)
         if config.preload_adapters:
             names = None if config.preload_adapters == "all" else config.preload_adapters.split(",")
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
@@ -214,7 +214,7 @@ class Engine:
     def forward(self, chunk: list[Prepared]):
         """Order rows by GPU slot, pad, run the encoder once with every row's adapter.
 
-        Reorders ``chunk`` in place; returns (batch, per-row states, slot per row).
+        Reorders ``chunk`` in place; returns (batch, padded encoder states [B, L', H], slot per row).
         """
         slots = self.store.acquire(p.adapter for p in chunk if p.adapter is not None)
         chunk.sort(key=lambda p: slots[p.adapter.name] if p.adapter is not None else -1)
@@ -235,8 +235,7 @@ class Engine:
                 self.store, self.meta_builder, slot_per_row, input_ids.shape[1], targets, self.config.backend
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
-        states = [hidden[row, : p.num_tokens] for row, p in enumerate(chunk)]
-        return batch, states, slot_per_row
+        return batch, hidden, slot_per_row
 
     # ------------------------------------------------------------------ post
     def decode(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[dict]:
@@ -247,7 +246,10 @@ class Engine:
             for p, slot in zip(chunk, slot_per_row)
         ]
         with self.heads.batch(batch, row_slots):
-            return self._decode_rows(chunk, batch, states)
+            try:
+                return self._decode_rows(chunk, batch, states)
+            finally:
+                self.span_finder.clear()
 
     def _decode_rows(self, chunk: Sequence[Prepared], batch, states) -> list[dict]:
         threshold, include_confidence, include_spans = chunk[0].options
