@@ -178,7 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--make-adapters", type=int, default=0, help="clone this many random rank-16 adapters")
     p.add_argument("--adapters-in-flight", type=int, nargs="+", default=[1, 8, 32, 128, 1024])
     p.add_argument("--distributions", nargs="+", default=["uniform", "zipf"])
-    p.add_argument("--modes", nargs="+", default=["base", "manylora", "hotswap"])
+    p.add_argument(
+        "--modes", nargs="*", default=["base", "manylora", "hotswap"], help="none: only --make-adapters, then exit"
+    )
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -224,6 +226,8 @@ def main(argv=None) -> int:
                 args.checkpoint, template, DemoAdapter("template", 16, 32, ["encoder", "all_task_heads"]), seed=0
             )
         clone_random_adapters(template, args.adapters, args.make_adapters, seed=1)
+        if not args.modes:
+            return 0
     names = sorted(p.name for p in args.adapters.iterdir() if p.name.startswith("adapter-")) if args.adapters else []
 
     schema = ENTITY_SCHEMA if args.schema == "entities" else MIXED_SCHEMA
