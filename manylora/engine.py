@@ -219,7 +219,7 @@ class Engine:
         slots = self.store.acquire(p.adapter for p in chunk if p.adapter is not None)
         chunk.sort(key=lambda p: slots[p.adapter.name] if p.adapter is not None else -1)
         slot_per_row = [slots[p.adapter.name] if p.adapter is not None else -1 for p in chunk]
-        batch = self.processor._pad_batch([p.record for p in chunk])
+        batch = self.records.pad_batch([p.record for p in chunk])
         batch = batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
         # pad the length to a multiple of 16: fewer distinct GEMM/attention shapes, aligned tiles
         pad = -batch.input_ids.shape[1] % PAD_MULTIPLE

@@ -8,7 +8,10 @@ workload repeats a few schemas over many texts, so ``RecordBuilder`` splits the 
   gives the schema tokens, task types, inference labels, the classification prefix and the
   token ids of everything up to and including ``[SEP_TEXT]``;
 * per request: GLiNER2's word splitting on the text (an equivalent, faster pattern for
-  ASCII text), then each word's subword ids from a bounded per-word cache.
+  ASCII text), then each word's subword ids from a bounded per-word cache;
+* per batch: ``pad_batch`` builds the ``PreprocessedBatch`` GLiNER2's ``_pad_batch``
+  builds, with numpy rows instead of a tensor per record and field, and the schema
+  routes once per schema.
 
 The result is field for field the record GLiNER2 builds (tests compare them on varied
 texts and schemas), so GLiNER2's own batching and decoding run on it unchanged.
@@ -20,9 +23,12 @@ import copy
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
+import numpy as np
+import torch
 from gliner2.processing.word_splitter import WhitespaceTokenSplitter
-from gliner2.processor import TransformedRecord
+from gliner2.processor import PreprocessedBatch, TransformedRecord
 
 PROBE_TEXT = "probe."
 WORD_CACHE_SIZE = 1 << 18
@@ -61,6 +67,8 @@ class RecordBuilder:
         self.processor = processor
         self._word_ids = lru_cache(maxsize=WORD_CACHE_SIZE)(self._word_ids_uncached)
         self._ascii_fast_path = type(processor.word_splitter) is WhitespaceTokenSplitter
+        # ("text", index, num_schemas) tuples are immutable: share them between records
+        self._text_slot = lru_cache(maxsize=1 << 16)(lambda index, schemas: ("text", index, schemas))
 
     def words(self, text: str):
         """(lower-cased word, start, end) as GLiNER2's word splitter yields them."""
@@ -108,11 +116,12 @@ class RecordBuilder:
         mapped = list(part.mapped_indices)
         first_positions = []
         base = part.first_text_index
+        word_ids, slot, schemas = self._word_ids, self._text_slot, part.num_schemas
         for k, token in enumerate(text_tokens):
-            ids = self._word_ids(token)
+            ids = word_ids(token)
             first_positions.append(len(input_ids))
             input_ids.extend(ids)
-            mapped.extend([("text", base + k, part.num_schemas)] * len(ids))
+            mapped.extend((slot(base + k, schemas),) * len(ids))
         return TransformedRecord(
             input_ids=input_ids,
             mapped_indices=mapped,
@@ -127,4 +136,72 @@ class RecordBuilder:
             schema=copy.copy(part.schema),
             text_word_first_positions=first_positions,
             schema_special_positions=part.schema_special_positions,
+        )
+
+    def pad_batch(self, records: Sequence[TransformedRecord]) -> PreprocessedBatch:
+        """GLiNER2's ``processor._pad_batch(records)``, field for field (tests compare them)."""
+        if not records:
+            return self.processor._pad_batch(list(records))
+        rows = len(records)
+        lengths = [len(r.input_ids) for r in records]
+        input_ids = np.zeros((rows, max(lengths)), dtype=np.int64)
+        for i, r in enumerate(records):
+            input_ids[i, : lengths[i]] = r.input_ids
+        attention_mask = (np.arange(input_ids.shape[1])[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+        word_counts = [len(r.text_word_first_positions) for r in records]
+        word_indices = np.zeros((rows, max(word_counts)), dtype=np.int64)
+        for i, r in enumerate(records):
+            word_indices[i, : word_counts[i]] = r.text_word_first_positions
+        word_mask = np.arange(word_indices.shape[1])[None, :] < np.asarray(word_counts)[:, None]
+        routes = {}  # per schema (records of one schema share its lists): (query, classification) routes
+        for r in records:
+            key = (id(r.schema_special_positions), id(r.task_types))
+            if key not in routes:
+                query, cls = [], []
+                for group, positions in enumerate(r.schema_special_positions):
+                    pairs = [(position, group) for position in positions[1:]]
+                    (cls if r.task_types[group] == "classifications" else query).extend(pairs)
+                routes[key] = (query, cls)
+        per_record = [routes[(id(r.schema_special_positions), id(r.task_types))] for r in records]
+
+        def pad_routes(which: int):
+            width = max((len(rs[which]) for rs in per_record), default=0)
+            indices = np.zeros((rows, width), dtype=np.int64)
+            groups = np.zeros((rows, width), dtype=np.int64)
+            counts = np.zeros(rows, dtype=np.int64)
+            for i, rs in enumerate(per_record):
+                pairs = rs[which]
+                if pairs:
+                    indices[i, : len(pairs)] = [p for p, _ in pairs]
+                    groups[i, : len(pairs)] = [g for _, g in pairs]
+                    counts[i] = len(pairs)
+            mask = np.arange(width)[None, :] < counts[:, None]
+            return torch.from_numpy(indices), torch.from_numpy(mask), torch.from_numpy(groups)
+
+        query_indices, query_mask, query_groups = pad_routes(0)
+        cls_indices, cls_mask, cls_groups = pad_routes(1)
+        return PreprocessedBatch(
+            input_ids=torch.from_numpy(input_ids),
+            attention_mask=torch.from_numpy(attention_mask),
+            mapped_indices=[r.mapped_indices for r in records],
+            schema_counts=[r.num_schemas for r in records],
+            original_lengths=lengths,
+            structure_labels=[r.structure_labels for r in records],
+            task_types=[r.task_types for r in records],
+            text_tokens=[r.text_tokens for r in records],
+            schema_tokens_list=[r.schema_tokens_list for r in records],
+            start_mappings=[r.start_token_idx for r in records],
+            end_mappings=[r.end_token_idx for r in records],
+            original_texts=[r.text for r in records],
+            original_schemas=[r.schema for r in records],
+            text_word_indices=torch.from_numpy(word_indices),
+            text_word_mask=torch.from_numpy(word_mask),
+            text_word_counts=word_counts,
+            schema_special_indices=[r.schema_special_positions for r in records],
+            query_marker_indices=query_indices,
+            query_marker_mask=query_mask,
+            query_group_index=query_groups,
+            cls_marker_indices=cls_indices,
+            cls_marker_mask=cls_mask,
+            cls_group_index=cls_groups,
         )

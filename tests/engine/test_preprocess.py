@@ -41,6 +41,25 @@ def test_records_equal_gliner2(reference_model, schema_index):
         assert got == expected, text
 
 
+def test_pad_batch_equals_gliner2(reference_model):
+    """One batch mixing every demo schema (classification routes included) and all texts."""
+    import torch
+    from gliner2.inference.schema import Schema
+
+    processor = reference_model.processor
+    builder = RecordBuilder(processor)
+    parts = [builder.schema_part(Schema.from_dict(d).build()) for d in demo_schemas()]
+    records = [builder.record(text, parts[i % len(parts)]) for i, text in enumerate(TEXTS * 2)]
+    for subset in (records, records[:1], records[5:9]):
+        expected, got = processor._pad_batch(list(subset)), builder.pad_batch(subset)
+        for field in dataclasses.fields(expected):
+            want, have = getattr(expected, field.name), getattr(got, field.name)
+            if isinstance(want, torch.Tensor):
+                assert have.dtype == want.dtype and torch.equal(have, want), field.name
+            else:
+                assert have == want, field.name
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
