@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,8 @@ def run_perf_analyzer(
 
 
 def main(argv=None) -> int:
+    # a stage timeout (SIGTERM) still stops the server and keeps its log (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description="ManyLoRA server benchmark (tritonserver + perf_analyzer)")
     p.add_argument("--url", help="measure a running server (gRPC host:port) instead of starting one")
     p.add_argument("--checkpoint", type=Path)
@@ -190,7 +193,15 @@ def main(argv=None) -> int:
             params["preload_adapters"] = "all"  # steady state: the fleet is resident before traffic
         repo = bench_repository(work / "repo", params, args.instances, args.max_batch, args.delay_us, args.gpus)
         server = TritonServer(repo, log_file=work / "tritonserver.log")
-        server.start(timeout=900)
+        print(f"starting tritonserver: {args.instances} instance(s) per GPU, {len(names)} adapters", flush=True)
+        try:
+            server.start(timeout=900)
+        except BaseException:  # failed or timed out while loading: keep the log to see why
+            server.stop()
+            if (work / "tritonserver.log").is_file():
+                shutil.copy(work / "tritonserver.log", args.out.with_suffix(".tritonserver.log"))
+            raise
+        print("server ready", flush=True)
         url = server.grpc_url
     rows = []
     try:
@@ -234,6 +245,7 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
+        if (work / "tritonserver.log").is_file():
             shutil.copy(work / "tritonserver.log", args.out.with_suffix(".tritonserver.log"))
     best = {m: max((r["req_per_s"] for r in rows if r["mode"] == m), default=0.0) for m in args.modes}
     if best.get("base") and best.get("lora"):
