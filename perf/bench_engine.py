@@ -5,14 +5,24 @@ Modes
   manylora  ManyLoRA engine, a random adapter per request (uniform or Zipf) out of N
   hotswap   the path users run today: GLiNER2 + PEFT, one adapter active per forward behind a
             25-adapter LRU and one lock, loading from disk on a miss (time-capped: it is slow)
+  peft-mixed  GLiNER2 + PEFT's own mixed batching (``adapter_names`` per row), every adapter in
+            flight preloaded into one PeftModel; only where they fit (adapters in flight <=
+            --peft-mixed-max, default 32) and only when asked for (not in the default --modes)
 
 Each mode runs closed-loop batches of --batch requests (what Triton's dynamic batcher hands
 execute()), after warm-up; it reports req/s, batch latency p50/p95/p99, and the split of
 time into pre (validate + tokenize), core (encoder) and post (heads + decoding).
 
+The physical limit (``limits.py``): the dense GEMM rate of this device is measured once per
+run and written as its own line (``"mode": "gemm_rate"``); every mode's line also carries
+the FLOPs of its average request (encoder, heads and its adapter's LoRA), the TFLOP/s that
+makes at its req/s, and that as a fraction of the GEMM rate.
+
     python perf/bench_engine.py --checkpoint models/demo-base --adapters models/bench-adapters \\
         --adapters-in-flight 1 8 32 128 1024 --out perf/results/engine.jsonl
     python perf/bench_engine.py --smoke --out /tmp/engine.jsonl      # CPU, tiny, seconds
+    python perf/bench_engine.py ... --modes base manylora peft-mixed --adapters-in-flight 1 8 32
+    python perf/plot.py perf/results/engine.jsonl --png engine.png --md engine.md
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -30,7 +41,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from limits import RequestShape, adapter_bytes, adapter_ranks, flop_breakdown, measure_gemm_rate
 
+MODES = ("base", "manylora", "hotswap", "peft-mixed")
 ENTITY_SCHEMA = {"entities": ["person", "organization", "location", "date", "product"]}
 MIXED_SCHEMA = {
     "classifications": [{"task": "sentiment", "labels": ["positive", "negative", "neutral"]}],
@@ -164,6 +177,218 @@ def run_hotswap_mode(server, texts, schema, adapters, seconds_cap, device):
     }
 
 
+class PeftMixedServer:
+    """GLiNER2 + PEFT's mixed-adapter batching: every adapter preloaded into one PeftModel.
+
+    PEFT mixes adapters within a batch through ``adapter_names``, one name per input row:
+    ``LoraModel._enable_peft_forward_hooks(adapter_names=...)`` puts the names into the
+    keyword arguments of every LoRA layer's forward, which checks ``len(x) == len(names)``
+    and adds each adapter's update to its own rows (``Linear._mixed_batch_forward``).
+    GLiNER2 cannot take that path as it stands (DESIGN.md, traps): DeBERTa's query_proj and
+    key_proj also project the shared relative-position table (a batch of one), and GLiNER2
+    calls its heads on tensors whose rows are not requests. So, per batch:
+
+    * encoder: one forward of the whole batch (GLiNER2's own collation and
+      ``encode_tokens``), every LoRA layer given the per-row names by a pre-hook like
+      PEFT's (registered once, not per call); the position scores
+      (``disentangled_attention_bias``) run once per adapter group of rows, with that
+      adapter's projected table, because stock DeBERTa has one table per batch;
+    * heads and decoding: ``batch_extract(hidden_states=...)`` once per adapter group,
+      every LoRA layer given that group's adapter.
+
+    Preprocessing runs twice (for the encoder pass, then inside ``batch_extract``); the
+    pre/core/post split shows it.
+    """
+
+    BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+
+    def __init__(self, checkpoint, adapter_root, names, device, dtype):
+        from gliner2 import GLiNER2
+        from gliner2.training.trainer import ExtractorCollator
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+
+        model = GLiNER2.from_pretrained(str(checkpoint))
+        root = Path(adapter_root)
+        peft = PeftModel.from_pretrained(model, str(root / names[0]), adapter_name=names[0])
+        for name in names[1:]:
+            peft.load_adapter(str(root / name), adapter_name=name)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model.processor.change_mode(is_training=False)
+        self.device, self.dtype, self.resident = torch.device(device), dtype, list(names)
+        self.collator = ExtractorCollator(model.processor, is_training=False, architecture=model.architecture)
+        self._rows = None  # adapter name per encoder row, during the encoder forward
+        self._groups = None  # [(name, row indices)] of those rows
+        self._table = None  # the adapter whose position table is being projected
+        self._single = None  # the adapter of every row, during one group's heads
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.register_forward_pre_hook(self._adapter_names, with_kwargs=True)
+        for module in model.encoder.modules():
+            if hasattr(module, "disentangled_attention_bias"):
+                module.disentangled_attention_bias = self._per_adapter_bias(module, module.disentangled_attention_bias)
+
+    def _adapter_names(self, module, args, kwargs):
+        x = args[0] if args else kwargs["x"]
+        if self._single is not None:
+            names = [self._single] * len(x)
+        elif self._table is not None:
+            names = [self._table] * len(x)
+        elif self._rows is not None:
+            if len(x) != len(self._rows):
+                raise RuntimeError(f"a LoRA layer got {len(x)} rows in a batch of {len(self._rows)}")
+            names = self._rows
+        else:
+            return None
+        kwargs["adapter_names"] = names
+        return args, kwargs
+
+    def _per_adapter_bias(self, attention, original):
+        """DeBERTa's c2p + p2c scores, each group of rows with its own adapter's position table."""
+
+        def bias(query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
+            groups = self._groups
+            if groups is None or len(groups) == 1:
+                self._table = groups[0][0] if groups else self._single
+                try:
+                    return original(query_layer, key_layer, relative_pos, rel_embeddings, scale_factor)
+                finally:
+                    self._table = None
+            heads, rows = attention.num_attention_heads, len(self._rows)
+            q_len, k_len = query_layer.shape[-2], key_layer.shape[-2]
+            q = query_layer.view(rows, heads, q_len, -1)
+            k = key_layer.view(rows, heads, k_len, -1)
+            scores = query_layer.new_empty(rows, heads, q_len, k_len)
+            try:
+                for name, index in groups:
+                    self._table = name
+                    part = original(
+                        q[index].flatten(0, 1), k[index].flatten(0, 1), relative_pos, rel_embeddings, scale_factor
+                    )
+                    scores[index] = part.view(len(index), heads, q_len, k_len)
+            finally:
+                self._table = None
+            return scores.view(rows * heads, q_len, k_len)
+
+        return bias
+
+    def extract_batch(self, texts, schema, adapters):
+        """GLiNER2 results for ``texts`` (one ``schema``), row i with adapter ``adapters[i]`` ('' = none).
+
+        Returns (results, seconds of pre, core, post).
+        """
+        t0 = time.perf_counter()
+        names = [a or self.BASE for a in adapters]
+        schema_dicts, _ = self.model._build_schema_dicts_and_metadata([schema] * len(texts))
+        batch = self.collator(list(zip(texts, schema_dicts)))
+        batch = batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
+        members: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            members.setdefault(name, []).append(i)
+        t1 = time.perf_counter()
+        self._rows = names
+        self._groups = [(n, torch.tensor(rows, device=self.device)) for n, rows in members.items()]
+        try:
+            with torch.inference_mode():
+                states = self.model.encode_tokens(batch)
+        finally:
+            self._rows = self._groups = None
+        lengths = batch.attention_mask.sum(dim=-1).tolist()
+        _sync(str(self.device))
+        t2 = time.perf_counter()
+        results = [None] * len(texts)
+        for name, rows in members.items():
+            self._single = name
+            try:
+                with torch.inference_mode():
+                    out = self.model.batch_extract(
+                        [texts[i] for i in rows],
+                        schema,
+                        batch_size=len(rows),
+                        hidden_states=[states[i, : lengths[i]] for i in rows],
+                    )
+            finally:
+                self._single = None
+            for i, result in zip(rows, out):
+                results[i] = result
+        _sync(str(self.device))
+        return results, (t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def run_peft_mixed_mode(server, texts, schema, adapters, batch, warmup_batches, device):
+    from gliner2.inference.schema import Schema
+
+    schema_obj = Schema.from_dict(schema)
+    starts = list(range(0, len(texts), batch))
+    for s in starts[:warmup_batches]:
+        server.extract_batch(texts[s : s + batch], schema_obj, adapters[s : s + batch])
+    latencies, split = [], {"pre": 0.0, "core": 0.0, "post": 0.0}
+    errors = n = 0
+    start = time.perf_counter()
+    for s in starts[warmup_batches:]:
+        t0 = time.perf_counter()
+        outs, seconds = server.extract_batch(texts[s : s + batch], schema_obj, adapters[s : s + batch])
+        latencies.append(time.perf_counter() - t0)
+        for key, value in zip(split, seconds):
+            split[key] += value
+        errors += sum(not isinstance(o, dict) for o in outs)
+        n += len(outs)
+    elapsed = time.perf_counter() - start
+    return {
+        "requests": n,
+        "seconds": elapsed,
+        "req_per_s": n / elapsed,
+        "errors": errors,
+        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
+        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
+        "batch_p99_ms": 1e3 * _percentile(latencies, 99),
+        "split_s": {k: round(v, 4) for k, v in split.items()},
+        "peft_resident": len(server.resident),
+    }
+
+
+class RequestCost:
+    """FLOPs of this run's requests (``limits.py``) and bytes of its adapters, worked out once.
+
+    Every request's counts (tokens, words, span fields, labels) come from the record the
+    engine builds for it; the position-table projection is shared by a batch of ``batch``.
+    """
+
+    def __init__(self, engine, checkpoint, adapter_root, texts, schema, batch):
+        from manylora.engine import Request
+
+        schema_json = json.dumps(schema)
+        self.requests = [
+            RequestShape.from_record(engine.prepare(i, Request(t, schema_json)).record) for i, t in enumerate(texts)
+        ]
+        self.checkpoint, self.root, self.batch = checkpoint, adapter_root, batch
+        self.mean_tokens = statistics.mean(r.tokens for r in self.requests)
+        self.base = [sum(flop_breakdown(checkpoint, request=r, batch=batch).values()) for r in self.requests]
+        self._lora: dict[tuple, list[float]] = {}  # adapter ranks -> LoRA FLOPs of every request
+
+    def _lora_flops(self, name: str) -> list[float]:
+        ranks = adapter_ranks(self.root / name)
+        key = tuple(sorted(ranks.items()))
+        if key not in self._lora:
+            self._lora[key] = [
+                flop_breakdown(self.checkpoint, request=r, batch=self.batch, lora_ranks=ranks)["lora"]
+                for r in self.requests
+            ]
+        return self._lora[key]
+
+    def flops(self, adapters=None) -> float:
+        """Mean FLOPs per request; ``adapters``: the adapter of each request ('' = none)."""
+        if not adapters:
+            return statistics.mean(self.base)
+        lora = {name: self._lora_flops(name) for name in set(adapters) if name}
+        return statistics.mean(b + (lora[a][i] if a else 0.0) for i, (b, a) in enumerate(zip(self.base, adapters)))
+
+    def bytes_per_adapter(self, adapters, dtype) -> float:
+        """Mean bytes (A and B in the serving dtype) of the distinct adapters of ``adapters``."""
+        distinct = sorted({a for a in adapters if a})
+        return statistics.mean(adapter_bytes(self.root / name, dtype) for name in distinct)
+
+
 def machine() -> dict:
     info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
@@ -179,7 +404,11 @@ def main(argv=None) -> int:
     p.add_argument("--adapters-in-flight", type=int, nargs="+", default=[1, 8, 32, 128, 1024])
     p.add_argument("--distributions", nargs="+", default=["uniform", "zipf"])
     p.add_argument(
-        "--modes", nargs="*", default=["base", "manylora", "hotswap"], help="none: only --make-adapters, then exit"
+        "--modes",
+        nargs="*",
+        choices=MODES,
+        default=["base", "manylora", "hotswap"],
+        help="none: only --make-adapters, then exit; peft-mixed only when named",
     )
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--batches", type=int, default=8)
@@ -188,6 +417,12 @@ def main(argv=None) -> int:
     p.add_argument("--host-slots", type=int, default=128)
     p.add_argument("--max-rank", type=int, default=16)
     p.add_argument("--hotswap-seconds", type=float, default=20.0)
+    p.add_argument(
+        "--peft-mixed-max",
+        type=int,
+        default=32,
+        help="peft-mixed runs only at adapters-in-flight up to this many, all preloaded into one PeftModel",
+    )
     p.add_argument(
         "--hotswap-at",
         type=int,
@@ -244,25 +479,43 @@ def main(argv=None) -> int:
     engine = Engine(EngineConfig.from_parameters(params, device=device))
     dtype = engine.dtype
     rows = []
+    context = {
+        "machine": machine(),
+        "device": device,
+        "dtype": str(dtype),
+        "batch": args.batch,
+        "schema": args.schema,
+        "gpu_slots": args.gpu_slots,
+        "host_slots": args.host_slots,
+    }
 
-    def emit(row):
+    gemm = measure_gemm_rate(device, dtype)
+    with open(args.out, "a") as f:
+        f.write(json.dumps({"mode": "gemm_rate", **gemm, **context}) + "\n")
+    print(f"dense GEMM {gemm['tflops']:.3f} TFLOP/s ({gemm['gemm_dtype']}, {gemm['gemm_size']}^3)", flush=True)
+    cost = RequestCost(engine, args.checkpoint, args.adapters, texts, schema, args.batch)
+
+    def emit(row, adapters=None):
+        flops = cost.flops(adapters)
         row.update(
             {
-                "machine": machine(),
-                "device": device,
-                "dtype": str(dtype),
-                "batch": args.batch,
-                "schema": args.schema,
-                "gpu_slots": args.gpu_slots,
-                "host_slots": args.host_slots,
+                **context,
+                "tokens_per_request": cost.mean_tokens,
+                "flops_per_request": flops,
+                "achieved_tflops": flops * row["req_per_s"] / 1e12,
+                "fraction_of_gemm_rate": flops * row["req_per_s"] / 1e12 / gemm["tflops"],
             }
         )
+        if adapters:
+            row["bytes_per_adapter"] = cost.bytes_per_adapter(adapters, dtype)
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(
-            f"{row['mode']:9s} {row.get('adapters_in_flight', 0):5d} {row.get('distribution', '-'):8s} "
-            f"{row['req_per_s']:9.1f} req/s  p95 {row['batch_p95_ms']:8.1f} ms  {row.get('split_s', '')}",
+            f"{row['mode']:10s} {row.get('adapters_in_flight', 0):5d} {row.get('distribution', '-'):8s} "
+            f"{row['req_per_s']:9.1f} req/s  p95 {row['batch_p95_ms']:8.1f} ms  "
+            f"{row['achieved_tflops']:9.3g} TFLOP/s ({row['fraction_of_gemm_rate']:.1%} of GEMM)  "
+            f"{row.get('split_s', '')}",
             flush=True,
         )
 
@@ -273,6 +526,7 @@ def main(argv=None) -> int:
                 **run_engine_mode(engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device),
             }
         )
+    peft_mixed = None
     for k in args.adapters_in_flight:
         pool = names[:k]
         if len(pool) < k:
@@ -295,26 +549,40 @@ def main(argv=None) -> int:
                         **r,
                         "loads": dict(engine.store.loads),
                         "caches": "cold" if args.cold else "preloaded",
-                    }
+                    },
+                    chosen,
                 )
             if "hotswap" in args.modes and dist == "uniform" and (args.hotswap_at is None or k in args.hotswap_at):
                 server = HotSwapServer(args.checkpoint, args.adapters, 25, device, dtype)
                 r = run_hotswap_mode(server, texts, schema, chosen, args.hotswap_seconds, device)
-                emit({"mode": "hotswap", "adapters_in_flight": k, "distribution": dist, **r})
+                emit({"mode": "hotswap", "adapters_in_flight": k, "distribution": dist, **r}, chosen)
                 del server
+            if "peft-mixed" in args.modes and k > args.peft_mixed_max:
+                print(f"skipping peft-mixed at {k} adapters in flight: above --peft-mixed-max", file=sys.stderr)
+            elif "peft-mixed" in args.modes:
+                if peft_mixed is None:  # one PeftModel for every pool: the pools are prefixes of names
+                    fits = [n for n in args.adapters_in_flight if n <= min(args.peft_mixed_max, len(names))]
+                    peft_mixed = PeftMixedServer(args.checkpoint, args.adapters, names[: max(fits)], device, dtype)
+                r = run_peft_mixed_mode(peft_mixed, texts, schema, chosen, args.batch, args.warmup, device)
+                emit({"mode": "peft-mixed", "adapters_in_flight": k, "distribution": dist, **r}, chosen)
 
     base = next((r for r in rows if r["mode"] == "base"), None)
-    print("\nmode      adapters dist      req/s   x base  x hotswap")
+
+    def same_k(mode, r):
+        matches = [h for h in rows if h["mode"] == mode and h.get("adapters_in_flight") == r.get("adapters_in_flight")]
+        same = [h for h in matches if h.get("distribution") == r.get("distribution")]
+        return (same or matches or [None])[0]
+
+    print("\nmode       adapters dist      req/s   x base  x hotswap  x peft-mixed  TFLOP/s  of GEMM")
     for r in rows:
-        hot = next(
-            (h for h in rows if h["mode"] == "hotswap" and h.get("adapters_in_flight") == r.get("adapters_in_flight")),
-            None,
-        )
+        hot, mixed = same_k("hotswap", r), same_k("peft-mixed", r)
         ratio_base = r["req_per_s"] / base["req_per_s"] if base else float("nan")
         ratio_hot = r["req_per_s"] / hot["req_per_s"] if hot else float("nan")
+        ratio_mixed = r["req_per_s"] / mixed["req_per_s"] if mixed else float("nan")
         print(
-            f"{r['mode']:9s} {r.get('adapters_in_flight', 0):8d} {r.get('distribution', '-'):8s} "
-            f"{r['req_per_s']:8.1f} {ratio_base:8.2f} {ratio_hot:9.1f}"
+            f"{r['mode']:10s} {r.get('adapters_in_flight', 0):8d} {r.get('distribution', '-'):8s} "
+            f"{r['req_per_s']:8.1f} {ratio_base:8.2f} {ratio_hot:10.1f} {ratio_mixed:13.2f} "
+            f"{r['achieved_tflops']:8.3g} {r['fraction_of_gemm_rate']:8.1%}"
         )
     return 0
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
 
@@ -15,20 +17,38 @@ import bench_server  # noqa: E402
 
 def test_engine_benchmark_smoke_writes_every_mode(tmp_path):
     out = tmp_path / "engine.jsonl"
+    modes = ["base", "manylora", "hotswap", "peft-mixed"]
     proc = subprocess.run(
-        [sys.executable, str(PERF / "bench_engine.py"), "--smoke", "--out", str(out)],
+        [sys.executable, str(PERF / "bench_engine.py"), "--smoke", "--modes", *modes, "--peft-mixed-max", "1"]
+        + ["--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["mode"] for r in rows} == {"base", "manylora", "hotswap"}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    gemm = [r for r in lines if r["mode"] == "gemm_rate"]
+    assert len(gemm) == 1, "the GEMM rate is measured once per run"
+    assert gemm[0]["tflops"] > 0 and gemm[0]["gemm_dtype"] == "torch.float32" and gemm[0]["device"] == "cpu"
+    rows = [r for r in lines if r["mode"] != "gemm_rate"]
+    assert {r["mode"] for r in rows} == set(modes)
+    base = next(r for r in rows if r["mode"] == "base")
     for row in rows:
         assert row["requests"] > 0 and row["req_per_s"] > 0 and row["errors"] == 0
         assert row["batch_p50_ms"] <= row["batch_p95_ms"] <= row["batch_p99_ms"]
         assert row["machine"]["torch"] and row["device"] == "cpu"
-    assert "x hotswap" in proc.stdout, "the ratio table is printed last"
+        assert row["flops_per_request"] > 0 and row["tokens_per_request"] > 0
+        assert row["achieved_tflops"] == pytest.approx(row["flops_per_request"] * row["req_per_s"] / 1e12)
+        assert row["fraction_of_gemm_rate"] == pytest.approx(row["achieved_tflops"] / gemm[0]["tflops"])
+        if row["mode"] != "base":
+            assert row["bytes_per_adapter"] > 0
+            assert row["flops_per_request"] > base["flops_per_request"], "LoRA adds FLOPs to the base request"
+    mixed = [r for r in rows if r["mode"] == "peft-mixed"]
+    assert [r["adapters_in_flight"] for r in mixed] == [1], "peft-mixed stops at --peft-mixed-max"
+    assert mixed[0]["peft_resident"] == 1 and set(mixed[0]["split_s"]) == {"pre", "core", "post"}
+    assert "skipping peft-mixed at 4 adapters in flight" in proc.stderr
+    assert "TFLOP/s" in proc.stdout and "of GEMM" in proc.stdout
+    assert "x hotswap" in proc.stdout and "x peft-mixed" in proc.stdout, "the ratio table is printed last"
 
 
 def test_perf_analyzer_input_data(tmp_path):
