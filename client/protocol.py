@@ -12,11 +12,12 @@ of config.pbtxt. BYTES tensors hold UTF-8 encoded ``bytes``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -34,6 +35,16 @@ BASE_ADAPTER = ""  # ADAPTER_ID value meaning "no adapter, base weights only"
 DEFAULT_THRESHOLD = 0.5
 
 ITEM_SHAPE = (1, 1)  # [batch of one request, dims [1]]
+
+# Limits on SCHEMA, checked when a Request is built (client and server alike), before the
+# server pays for parsing and tokenizing it. A schema's tokens also count against the
+# server's max_request_tokens (4096 by default), so no useful schema comes near these.
+MAX_SCHEMA_CHARS = 65_536
+# entity and relation types, classification labels, structure fields and their choices,
+# entity attribute labels, all tasks together. GLiNER2 decodes label by label in Python:
+# on the tiny CPU demo one request with 256 labels takes 0.2 s, with 1,024 labels 5 s.
+MAX_SCHEMA_LABELS = 256
+MAX_SCHEMA_DEPTH = 32  # arrays and objects nested; GLiNER2's own vocabulary needs 6
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,9 @@ class Request:
         for name, value in (("text", self.text), ("schema", self.schema), ("adapter", self.adapter)):
             if not isinstance(value, str):
                 raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+        problem = schema_limit_problem(self.schema)
+        if problem is not None:
+            raise ValueError(problem)
         for name, value in (
             ("include_confidence", self.include_confidence),
             ("include_spans", self.include_spans),
@@ -118,11 +132,11 @@ class Request:
     def from_arrays(cls, arrays: Mapping[str, np.ndarray | None]) -> Request:
         """Decode one request's input tensors (absent optional inputs: missing or None).
 
-        Raises ``ValueError`` naming the offending tensor.
+        Raises ``ValueError`` naming the offending tensor, and no other exception.
         """
         unknown = set(arrays) - {spec.name for spec in INPUTS}
         if unknown:
-            raise ValueError(f"unknown input tensor(s): {sorted(unknown)}")
+            raise ValueError(f"unknown input tensor(s): {sorted(map(repr, unknown))}")
         values = {}
         for spec in INPUTS:
             array = arrays.get(spec.name)
@@ -131,15 +145,20 @@ class Request:
                     raise ValueError(f"input {spec.name} is required")
                 values[spec.name] = spec.default
                 continue
-            array = np.asarray(array)
+            if not isinstance(array, np.ndarray):
+                raise ValueError(f"input {spec.name} must be a numpy array, got {type(array).__name__}")
             if array.size != 1:
                 raise ValueError(f"input {spec.name} must hold one element, got shape {array.shape}")
             value = array.reshape(-1)[0]
             if spec.triton_dtype == "BYTES":
                 values[spec.name] = _decode_utf8(spec.name, value)
             elif spec.triton_dtype == "FP32":
+                if array.dtype.kind not in "fiu":
+                    raise ValueError(f"{spec.name} must be FP32, got {array.dtype}")
                 values[spec.name] = float(value)
             else:
+                if array.dtype.kind != "b":
+                    raise ValueError(f"{spec.name} must be BOOL, got {array.dtype}")
                 values[spec.name] = bool(value)
         return cls(
             text=values[TEXT],
@@ -149,6 +168,84 @@ class Request:
             include_confidence=values[INCLUDE_CONFIDENCE],
             include_spans=values[INCLUDE_SPANS],
         )
+
+
+def schema_limit_problem(schema: str) -> Optional[str]:
+    """Why ``schema`` is over the limits (characters, nesting, labels), or None.
+
+    Malformed JSON and wrong types are not reported here: the server's schema parser
+    says what is wrong with those.
+    """
+    if len(schema) > MAX_SCHEMA_CHARS:
+        return f"SCHEMA has {len(schema)} characters, above the limit of {MAX_SCHEMA_CHARS}"
+    return _schema_shape_problem(schema)
+
+
+@functools.lru_cache(maxsize=256)  # clients and servers see the same few schemas again and again
+def _schema_shape_problem(schema: str) -> Optional[str]:
+    too_deep = f"SCHEMA is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+    try:
+        data = json.loads(schema)
+    except RecursionError:
+        return too_deep
+    except ValueError:  # not JSON; a deep one must not reach a parser that recurses
+        return too_deep if _bracket_depth(schema) > MAX_SCHEMA_DEPTH else None
+    depth, stack = 0, [(data, 1)]  # levels of arrays and objects, as _bracket_depth counts them
+    while stack:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            depth = max(depth, level)
+            stack.extend((child, level + 1) for child in children)
+    if depth > MAX_SCHEMA_DEPTH:
+        return too_deep
+    labels = _schema_labels(data)
+    if labels > MAX_SCHEMA_LABELS:
+        return f"SCHEMA has {labels} labels, above the limit of {MAX_SCHEMA_LABELS}"
+    return None
+
+
+def _schema_labels(data: Any) -> int:
+    """Labels of a GLiNER2 schema dict; parts of the wrong type count nothing."""
+
+    def size(value: Any) -> int:
+        return len(value) if isinstance(value, (list, dict)) else 0
+
+    def objects(value: Any) -> list:  # the JSON objects in a list, or among a dict's values
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        return [v for v in values if isinstance(v, dict)]
+
+    if not isinstance(data, dict):
+        return 0
+    labels = size(data.get("entities")) + size(data.get("relations"))
+    labels += sum(size(task.get("labels")) for task in objects(data.get("classifications")))
+    for structure in objects(data.get("structures")):
+        fields = structure.get("fields")
+        labels += size(fields) + sum(size(field.get("choices")) for field in objects(fields))
+    labels += sum(size(group.get("labels")) for group in objects(data.get("entity_attributes")))
+    return labels
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest nesting of [ and { outside JSON strings, for text that is not valid JSON."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 def result_array(result: Any) -> np.ndarray:

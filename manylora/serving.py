@@ -16,7 +16,7 @@ import numpy as np
 
 from manylora.client import protocol
 from manylora.client.protocol import Request
-from manylora.engine import INVALID_ARG, Engine, RequestError
+from manylora.engine import INTERNAL, INVALID_ARG, Engine, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class TritonModelHandler:
         return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(exc.message, code))
 
     def execute(self, requests: list) -> list:
+        """One response per request, in order; never raises (an exception here would fail
+        every request of the dynamic batch with Triton's generic INTERNAL error)."""
         pb = self.pb_utils
         decoded: list = []
         for request in requests:
@@ -82,8 +84,11 @@ class TritonModelHandler:
                 decoded.append(decode_request(lambda name, r=request: _as_numpy(pb, r, name)))
             except RequestError as exc:
                 decoded.append(exc)
+            except Exception as exc:
+                logger.exception("decoding a request failed")
+                decoded.append(RequestError(INTERNAL, f"request could not be decoded: {type(exc).__name__}: {exc}"))
         valid = [d for d in decoded if isinstance(d, Request)]
-        answers = iter(self.engine.run(valid))
+        answers = iter(self._run(valid))
         responses = []
         for item in decoded:
             result = item if isinstance(item, RequestError) else next(answers)
@@ -93,8 +98,26 @@ class TritonModelHandler:
                 responses.append(
                     pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))])
                 )
-        self.metrics.publish(self.engine)
+        try:
+            self.metrics.publish(self.engine)
+        except Exception:
+            logger.exception("publishing the adapter metrics failed")
         return responses
+
+    def _run(self, requests: list[Request]) -> list:
+        """The engine's results. The engine answers bad requests with RequestErrors; should it
+        raise instead, the batch is halved until the requests it raises on fail alone (INTERNAL)."""
+        if not requests:
+            return []
+        try:
+            return self.engine.run(requests)
+        except Exception as exc:
+            if len(requests) == 1:
+                logger.exception("the engine raised on a request")
+                return [RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")]
+            logger.warning("the engine raised on a batch of %d (%s); splitting it", len(requests), type(exc).__name__)
+            half = len(requests) // 2
+            return self._run(requests[:half]) + self._run(requests[half:])
 
     def finalize(self) -> None:
         self.metrics.close()

@@ -1,0 +1,193 @@
+"""Shared by the bad-input, overload and soak end-to-end tests (not a test module itself).
+
+Model repositories with an edited copy of the committed config.pbtxt, inputs built from
+raw arrays (so a test can send what no well-behaved client would), requests sent together
+so that they share one dynamic batch, the GLiNER2 (+ PEFT) reference, and what Triton's
+gRPC and HTTP frontends report for each ``pb_utils.TritonError`` code.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from google.protobuf import text_format
+from manylora.client import protocol
+from tritonclient.grpc import model_config_pb2
+from tritonclient.utils import np_to_triton_dtype
+
+REPO_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "gliner2"
+
+# What tritonclient's InferenceServerException.status() reports for each pb_utils.TritonError
+# code a model answers with (measured on Triton 2.51; test_bad_input_catalogue checks all of it).
+# HTTP folds UNKNOWN, ALREADY_EXISTS and CANCELLED into 400, like INVALID_ARG.
+GRPC_STATUS = {
+    "UNKNOWN": "StatusCode.UNKNOWN",
+    "INTERNAL": "StatusCode.INTERNAL",
+    "NOT_FOUND": "StatusCode.NOT_FOUND",
+    "INVALID_ARG": "StatusCode.INVALID_ARGUMENT",
+    "UNAVAILABLE": "StatusCode.UNAVAILABLE",
+    "UNSUPPORTED": "StatusCode.UNIMPLEMENTED",
+    "ALREADY_EXISTS": "StatusCode.ALREADY_EXISTS",
+    "CANCELLED": "StatusCode.CANCELLED",
+}
+HTTP_STATUS = {
+    "UNKNOWN": "400",
+    "INTERNAL": "500",
+    "NOT_FOUND": "404",
+    "INVALID_ARG": "400",
+    "UNAVAILABLE": "503",
+    "UNSUPPORTED": "501",
+    "ALREADY_EXISTS": "400",
+    "CANCELLED": "400",
+}
+
+
+def write_gliner2_model(
+    repo: Path,
+    name: str,
+    checkpoint: Path,
+    parameters: Mapping[str, str] | None = None,
+    edit: Callable[[model_config_pb2.ModelConfig], None] | None = None,
+) -> Path:
+    """``repo/name``: the committed gliner2 model, its config parsed as a ModelConfig message,
+    renamed, its parameters replaced by ``checkpoint`` + ``parameters``, then ``edit``-ed."""
+    folder = repo / name
+    (folder / "1").mkdir(parents=True)
+    shutil.copy2(REPO_MODEL / "1" / "model.py", folder / "1" / "model.py")
+    config = text_format.Parse((REPO_MODEL / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    config.name = name
+    config.parameters.clear()
+    for key, value in {"checkpoint": str(checkpoint), **(parameters or {})}.items():
+        config.parameters[key].string_value = value
+    if edit is not None:
+        edit(config)
+    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
+    return folder
+
+
+def arrays_of(request: protocol.Request, **changes: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The request's six input arrays; a change replaces one (None leaves it out)."""
+    arrays = {**request.to_arrays(), **changes}
+    return {name: array for name, array in arrays.items() if array is not None}
+
+
+def bytes_item(value: bytes) -> np.ndarray:
+    return np.array([[value]], dtype=np.object_)
+
+
+def infer_inputs(module, arrays: Mapping[str, np.ndarray]) -> list:
+    """InferInputs for raw arrays, each with the datatype of its numpy dtype (right or wrong)."""
+    inputs = []
+    for name, array in arrays.items():
+        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def send_together(url: str, batch: Sequence[list], model: str = protocol.MODEL_NAME, timeout: float = 120.0) -> list:
+    """Send every item (a list of gRPC InferInputs) at once; an InferResult or the
+    InferenceServerException for each, in order."""
+    client = grpcclient.InferenceServerClient(url)
+    answers: dict[int, object] = {}
+    done = threading.Condition()
+
+    def callback(index):
+        def store(result, error):
+            with done:
+                answers[index] = error if error is not None else result
+                done.notify_all()
+
+        return store
+
+    try:
+        for index, inputs in enumerate(batch):
+            client.async_infer(model, inputs, callback(index))
+        with done:
+            if not done.wait_for(lambda: len(answers) == len(batch), timeout):
+                raise TimeoutError(f"{len(batch) - len(answers)} of {len(batch)} requests unanswered after {timeout} s")
+        return [answers[i] for i in range(len(batch))]
+    finally:
+        client.close()
+
+
+def execution_counts(url: str, model: str = protocol.MODEL_NAME) -> tuple[int, int]:
+    """(executions, inferences) of the model so far: one execution per dynamic batch."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics(model).model_stats[0]
+        return stats.execution_count, stats.inference_count
+    finally:
+        client.close()
+
+
+class References:
+    """GLiNER2 itself (with PEFT and the adapter's folder for adapter requests), cached."""
+
+    def __init__(self, reference_model, peft_reference, folders: Mapping[str, Path]):
+        self.reference_model = reference_model
+        self.peft_reference = peft_reference
+        self.folders = dict(folders)  # adapter id -> folder PEFT loads (the demo adapter it copies)
+        self._cache: dict[tuple, object] = {}
+
+    def expected(self, request: protocol.Request, folder: Path | None = None):
+        """What the server must answer; ``folder`` overrides the adapter's folder."""
+        from gliner2.inference.schema import Schema
+
+        if folder is None and request.adapter:
+            folder = self.folders[request.adapter]
+        key = (request, str(folder or ""))
+        if key not in self._cache:
+            model = self.peft_reference(folder) if folder else self.reference_model
+            (result,) = model.batch_extract(
+                [request.text],
+                Schema.from_json(request.schema),
+                threshold=request.threshold,
+                include_confidence=request.include_confidence,
+                include_spans=request.include_spans,
+            )
+            self._cache[key] = json.loads(json.dumps(result))  # what survives the wire
+        return self._cache[key]
+
+
+def stub_pids(server_pid: int, instance: str) -> list[int]:
+    """Python backend stub processes of the server serving model instance ``instance`` (e.g. gliner2_0_0)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), None)
+        if ppid == server_pid and any(arg.endswith(b"triton_python_backend_stub") for arg in cmdline):
+            if instance.encode() in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
+def stub_shm_region(stub_pid: int) -> Path | None:
+    """The shared-memory region of a stub (named on its command line). Triton leaves it in
+    /dev/shm when the stub or the server is killed, or when the server's exit times out."""
+    for arg in Path(f"/proc/{stub_pid}/cmdline").read_bytes().split(b"\0"):
+        if arg.startswith(b"triton_python_backend_shm_region_"):
+            return Path("/dev/shm") / arg.decode()
+    return None
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,207 @@
+"""Property-based fuzzing of the serving layer on the tiny engine (no server): request decoding,
+the engine's schema parsing and ``TritonModelHandler.execute`` on batches of arbitrary
+requests. Only the documented errors come out (RequestError: INVALID_ARG for bad input,
+NOT_FOUND for an unknown adapter); execute answers every request and never raises."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from manylora.client import protocol
+from manylora.client.protocol import Request
+
+from manylora.engine import RequestError
+from manylora.serving import TritonModelHandler, decode_request
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DOCUMENTED = {"INVALID_ARG", "NOT_FOUND"}
+
+
+class FakePbUtils:
+    """The parts of triton_python_backend_utils that manylora.serving uses."""
+
+    class TritonError:
+        UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+        def __init__(self, message: str, code: int = 0):
+            self.message, self.code = message, code
+
+    class Tensor:
+        def __init__(self, name: str, array: np.ndarray):
+            self.name, self.array = name, array
+
+        def as_numpy(self) -> np.ndarray:
+            return self.array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors: list, error=None):
+            self.output_tensors, self.error = output_tensors, error
+
+    @staticmethod
+    def get_input_tensor_by_name(request: dict, name: str):
+        return None if name not in request else FakePbUtils.Tensor(name, request[name])
+
+
+CODE_NAMES = {getattr(FakePbUtils.TritonError, name): name for name in DOCUMENTED | {"INTERNAL", "UNAVAILABLE"}}
+
+
+class NoMetrics:
+    def publish(self, engine) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def handler(tiny_checkpoint, demo_adapters):
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine
+
+    root = next(iter(demo_adapters.values())).parent
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}))
+    handler = TritonModelHandler.__new__(TritonModelHandler)  # the model.py path, minus Triton's args
+    handler.pb_utils, handler.engine, handler.metrics = FakePbUtils, engine, NoMetrics()
+    return handler
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=30,
+)
+labels = st.lists(st.text(max_size=10), max_size=6) | st.dictionaries(
+    st.text(max_size=8), st.text(max_size=8), max_size=4
+)
+schemas = (
+    st.one_of(
+        st.fixed_dictionaries({}, optional={"entities": labels | json_values, "relations": labels | json_values}),
+        st.fixed_dictionaries(
+            {
+                "classifications": st.lists(
+                    st.fixed_dictionaries({"task": st.text(max_size=6), "labels": labels}), max_size=2
+                )
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "structures": st.dictionaries(
+                    st.text(max_size=6),
+                    st.fixed_dictionaries(
+                        {"fields": st.lists(st.fixed_dictionaries({"name": st.text(max_size=6)}), max_size=3)},
+                        optional={"mode": st.text(max_size=8)},
+                    ),
+                    max_size=2,
+                )
+            }
+        ),
+        st.dictionaries(
+            st.sampled_from(["entities", "relations", "structures", "entity_attributes", "x"]), json_values
+        ),
+        json_values,
+    ).map(json.dumps)
+    | st.text(max_size=60)
+    | st.integers(1, 5000).map(lambda n: '{"entities": ' + "[" * n + "]" * n + "}")
+)
+texts = st.one_of(
+    st.text(max_size=80),
+    st.sampled_from(["", " ", "\u3000", "\x00", "Tim Cook runs Apple.", "\ufeff", "a" * 5000]),
+)
+adapters = st.one_of(
+    st.sampled_from(["", "enc-r8", "heads-r8", "no-such", "../enc-r8", "/etc", "enc-r8\n", "%2e%2e", "a" * 200]),
+    st.text(max_size=20),
+)
+
+
+@st.composite
+def raw_requests(draw):
+    """Input arrays as Triton could deliver them: mostly well-formed, some of them damaged."""
+    threshold = draw(st.floats(0, 1) | st.floats(allow_nan=True, allow_infinity=True, width=32))
+    arrays = {
+        protocol.TEXT: np.array([[draw(texts).encode("utf-8", "surrogatepass")]], dtype=np.object_),
+        protocol.SCHEMA: np.array([[draw(schemas).encode("utf-8", "surrogatepass")]], dtype=np.object_),
+        protocol.ADAPTER_ID: np.array([[draw(adapters).encode("utf-8", "surrogatepass")]], dtype=np.object_),
+        protocol.THRESHOLD: np.full((1, 1), threshold, dtype=np.float32),
+        protocol.INCLUDE_CONFIDENCE: np.full((1, 1), draw(st.booleans())),
+        protocol.INCLUDE_SPANS: np.full((1, 1), draw(st.booleans())),
+    }
+    for name in draw(st.sets(st.sampled_from(sorted(arrays)), max_size=2)):
+        arrays[name] = draw(
+            st.sampled_from(
+                [
+                    None,
+                    np.array([[b"\xff\xfe"]], dtype=np.object_),
+                    np.zeros((2, 1), dtype=np.float32),
+                    np.array([[7]], dtype=np.object_),
+                    np.empty((0, 1), dtype=np.object_),
+                ]
+            )
+        )
+    return {name: array for name, array in arrays.items() if array is not None}
+
+
+@FUZZ
+@given(request=raw_requests())
+def test_decode_request_raises_only_invalid_arg(request):
+    try:
+        decoded = decode_request(request.get)
+    except RequestError as exc:
+        assert exc.code == "INVALID_ARG", exc
+    else:
+        assert isinstance(decoded, Request)
+
+
+@FUZZ
+@given(schema=schemas, text=texts)
+def test_schema_parsing_raises_only_request_errors(handler, schema, text):
+    try:
+        request = Request(text, schema)
+    except ValueError:  # over the protocol's limits: INVALID_ARG before the engine
+        return
+    try:
+        handler.engine.prepare(0, request)
+    except RequestError as exc:
+        assert exc.code == "INVALID_ARG", exc
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.lists(raw_requests(), min_size=1, max_size=4))
+def test_execute_answers_every_request_with_a_result_or_a_documented_error(handler, batch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        responses = handler.execute(batch)
+    assert len(responses) == len(batch)
+    for response in responses:
+        if response.error is not None:
+            assert CODE_NAMES.get(response.error.code) in DOCUMENTED, response.error.message
+        else:
+            (tensor,) = response.output_tensors
+            assert isinstance(protocol.parse_result(tensor.array), dict)
+
+
+def test_execute_isolates_a_request_the_engine_raises_on():
+    """Should the engine raise instead of answering a RequestError, only that request fails
+    (INTERNAL); the batch is halved until it is found, and the others are answered."""
+
+    class RaisingEngine:
+        calls = 0
+
+        def run(self, requests):
+            RaisingEngine.calls += 1
+            if any(r.text == "boom" for r in requests):
+                raise RecursionError("maximum recursion depth exceeded")
+            return [{"text": r.text} for r in requests]
+
+    raising = TritonModelHandler.__new__(TritonModelHandler)
+    raising.pb_utils, raising.engine, raising.metrics = FakePbUtils, RaisingEngine(), NoMetrics()
+    texts = ["a", "b", "boom", "c", "d", "e", "f"]
+    responses = raising.execute([Request(t, '{"entities": ["x"]}').to_arrays() for t in texts])
+    for text, response in zip(texts, responses):
+        if text == "boom":
+            assert CODE_NAMES[response.error.code] == "INTERNAL"
+            assert response.error.message == "inference failed: RecursionError: maximum recursion depth exceeded"
+        else:
+            assert response.error is None and protocol.parse_result(response.output_tensors[0].array) == {"text": text}
+    assert RaisingEngine.calls <= 1 + 2 * 3, "halving, not one by one"
