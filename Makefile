@@ -38,8 +38,11 @@ else
 		--parameter gliner2:adapter_dir=$(abspath $(or $(ADAPTER_DIR),models/no-adapters))
 endif
 
-test: setup ## run the test suite (real tritonserver included)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+# the fault-injection soak runs in every `make test`, bounded to this many seconds
+SOAK_SECONDS ?= 30
+
+test: setup ## run the test suite (real tritonserver and a 30 s fault-injection soak included)
+	PATH="$(abspath $(VENV))/bin:$$PATH" MANYLORA_SOAK_SECONDS=$(SOAK_SECONDS) $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 check: setup ## ruff format --check, ruff check, then the tests
 	$(VENV)/bin/ruff format --check .

@@ -82,8 +82,8 @@ class SpanFinder:
         if scores.device.type != "cpu" or scores.dim() != 2 or scores.stride(1) != 1 or scores.numel() == 0:
             return find_spans(scores, threshold, text_len, text, start_map, end_map)
         rows, width = scores.shape
-        row_stride = scores.stride(0)
-        if rows > 1 and row_stride < width:  # overlapping rows: not a plain 2-D view
+        row_stride = scores.stride(0) if rows > 1 else width  # one row: its stride is never used
+        if row_stride < width:  # overlapping or broadcast rows: not a plain 2-D view
             return find_spans(scores, threshold, text_len, text, start_map, end_map)
         positions, values = self._storage_hits(scores, threshold)
         first = scores.storage_offset()

@@ -135,7 +135,7 @@ class Engine:
 
         try:
             data = json.loads(schema_json)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise RequestError(INVALID_ARG, f"SCHEMA is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise RequestError(INVALID_ARG, f"SCHEMA must be a JSON object, got {type(data).__name__}")
@@ -144,7 +144,7 @@ class Engine:
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors())
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {problems}") from None
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
         (schema_dict,), (metadata,) = self.model._build_schema_dicts_and_metadata([schema])
         try:
@@ -202,7 +202,9 @@ class Engine:
         current: list[Prepared] = []
         for item in sorted(group, key=lambda p: p.num_tokens):
             padded = -(-item.num_tokens // PAD_MULTIPLE) * PAD_MULTIPLE
-            if current and (len(current) + 1) * padded > budget:
+            # a new chunk when the budget is reached, or when this row would pad the chunk's
+            # first row to more than twice its length (one long text must not pad 255 short ones)
+            if current and ((len(current) + 1) * padded > budget or padded > 2 * max(current[0].num_tokens, 64)):
                 chunks.append(current)
                 current = []
             current.append(item)
@@ -274,6 +276,10 @@ class Engine:
                 prepared = self.prepare(index, request)
             except RequestError as exc:
                 results[index] = exc
+                continue
+            except Exception as exc:  # a bug must not fail the other requests of the batch
+                logger.exception("request %d could not be prepared", index)
+                results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
                 continue
             groups[prepared.options].append(prepared)
         for group in groups.values():

@@ -73,7 +73,9 @@ def test_span_finder_falls_back_on_other_layouts(reference_model):
     text, start_map, end_map = _text_maps(["a", "bb", "ccc", "dd", "e"])
     finder = SpanFinder()
     base = torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
-    for view in (base.t()[:5], base[::2], base[:, 1:4], torch.rand(0, 3)):
+    row = torch.rand(1, 6, generator=torch.Generator().manual_seed(2))
+    views = (base.t()[:5], base[::2], base[:, 1:4], torch.rand(0, 3), row.expand(3, 6), row, base.t()[:1])
+    for view in views:
         expected = type(reference_model)._find_spans(reference_model, view, 0.4, 5, text, start_map, end_map)
         assert finder(view, 0.4, 5, text, start_map, end_map) == expected
 
