@@ -50,6 +50,12 @@ def _preload(key: str, raw: str) -> str:
     return raw.strip()
 
 
+def _control_dir(key: str, raw: str) -> str:
+    if raw.strip() in ("auto", "none"):
+        return raw.strip()
+    return _path(key, raw)
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -70,6 +76,7 @@ class EngineConfig:
     max_request_tokens: int = 4096
     kernel_backend: str = "auto"
     preload_adapters: str = ""
+    control_dir: str = "auto"
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -99,6 +106,12 @@ class EngineConfig:
             _preload,
             False,
             "adapters loaded at model load: 'all' (as many as the tiers hold) or a comma list",
+        ),
+        "control_dir": (
+            _control_dir,
+            False,
+            "folder where the manylora_control model meets this model's instances: 'auto' (one per "
+            "tritonserver, under the temp folder), 'none' (no adapter control) or a path",
         ),
     }
 
@@ -141,6 +154,12 @@ class EngineConfig:
                 if not path.is_absolute() and model_dir is not None:
                     path = (Path(model_dir) / path).resolve()
                 values[key] = path
+        control_dir = values.get("control_dir")
+        if control_dir not in (None, "auto", "none"):
+            path = Path(os.path.expanduser(control_dir))
+            if not path.is_absolute() and model_dir is not None:
+                path = (Path(model_dir) / path).resolve()
+            values["control_dir"] = str(path)
         checkpoint = values["checkpoint"]
         if "adapter_dir" in values and not values["adapter_dir"].is_dir():
             raise ConfigError(f"parameter 'adapter_dir': {values['adapter_dir']} is not a directory")

@@ -6,6 +6,8 @@ instance keeps its own adapter cache). Families:
 
     manylora_adapter_cache_total{tier, event}      counter: hit / miss / evict per tier (host, gpu)
     manylora_adapters_resident{tier}               gauge
+    manylora_adapters_loading                      gauge: disk -> host loads queued or running
+    manylora_adapter_host_bytes                    gauge: host memory of the host tier's adapters
     manylora_adapter_load_seconds{stage}           histogram: disk_to_host, host_to_gpu
     manylora_batch_adapters                        histogram: distinct adapters per dynamic batch
     manylora_batch_waves                           histogram: GPU-slot waves per dynamic batch
@@ -24,11 +26,15 @@ class AdapterMetrics:
         family = pb_utils.MetricFamily
         cache = family("manylora_adapter_cache_total", "Adapter cache events per tier", family.COUNTER)
         resident = family("manylora_adapters_resident", "Adapters resident per tier", family.GAUGE)
+        loading = family("manylora_adapters_loading", "Adapter loads from disk queued or running", family.GAUGE)
+        host_bytes = family("manylora_adapter_host_bytes", "Host memory of the adapters in host memory", family.GAUGE)
         loads = family("manylora_adapter_load_seconds", "Adapter load latency per stage", family.HISTOGRAM)
         batch_adapters = family("manylora_batch_adapters", "Distinct adapters per dynamic batch", family.HISTOGRAM)
         batch_waves = family("manylora_batch_waves", "GPU-slot waves per dynamic batch", family.HISTOGRAM)
         self.cache = {(e, t): cache.Metric(labels={**labels, "tier": t, "event": e}) for e in EVENTS for t in TIERS}
         self.resident = {t: resident.Metric(labels={**labels, "tier": t}) for t in TIERS}
+        self.loading = loading.Metric(labels=dict(labels))
+        self.host_bytes = host_bytes.Metric(labels=dict(labels))
         self.loads = {
             s: loads.Metric(labels={**labels, "stage": s}, buckets=LOAD_BUCKETS)
             for s in ("disk_to_host", "host_to_gpu")
@@ -37,11 +43,12 @@ class AdapterMetrics:
         self.batch_waves = batch_waves.Metric(labels=dict(labels), buckets=WAVE_BUCKETS)
         self._published: dict = {}
         # families must outlive their metrics: assigned last, so they are also released last
-        self._families = (cache, resident, loads, batch_adapters, batch_waves)
+        self._families = (cache, resident, loading, host_bytes, loads, batch_adapters, batch_waves)
 
     def close(self) -> None:
         """Release the metrics, then their families (Triton's required order)."""
-        self.cache = self.resident = self.loads = self.batch_adapters = self.batch_waves = None
+        self.cache = self.resident = self.loading = self.host_bytes = None
+        self.loads = self.batch_adapters = self.batch_waves = None
         self._families = None
 
     def publish(self, engine) -> None:
@@ -54,6 +61,8 @@ class AdapterMetrics:
                 self._published[key] = total
         for tier, names in store.resident().items():
             self.resident[tier].set(len(names))
+        self.loading.set(len(store.loading()))
+        self.host_bytes.set(store.host_bytes)
         for stage, seconds in store.drain_load_seconds().items():
             for value in seconds:
                 self.loads[stage].observe(value)

@@ -1,37 +1,90 @@
 """Adapter store: adapter folders on disk -> parsed adapters in host memory -> GPU slots.
 
-GPU slots are stacked tensors per LoRA target, preallocated at ``max_lora_rank``:
-``a[name]`` is ``[slots, R_max, in]`` and ``b[name]`` is ``[slots, out, R_max]``; an
-adapter occupies one slot index across all targets (zeros where it has no module, so
-its update there is exactly zero). Both tiers are LRU; slots used by the batch in flight
-are pinned and never evicted, so a batch that needs more distinct adapters than there
-are slots is served in waves by the engine (``plan_waves``), never refused.
+Tiers, each LRU:
 
-An adapter is looked up on disk on every use (a stat, no read): a new folder is servable
-on its first request, a changed weights file (mtime, size) is reloaded, a removed folder
-answers NOT_FOUND.
+- **GPU slots** are stacked tensors per LoRA target, preallocated at ``max_lora_rank``:
+  ``a[name]`` is ``[slots, R_max, in]`` and ``b[name]`` is ``[slots, out, R_max]``; an adapter
+  occupies one slot index across all targets (zeros where it has no module, so its update
+  there is exactly zero).
+- **Host** adapters are kept in the serving dtype, packed into one buffer per adapter, in
+  page-locked memory when the slots live on a GPU. They are converted once, when read: a
+  slot receives exactly the values it would have rounded a float32 copy to, and a 16-bit
+  host tier takes half the memory of a float32 one.
+- **Disk**: an adapter is looked up on every use (a stat, no read). A new folder is
+  servable on its first request, a changed one (config or weights) is reloaded, a removed
+  one answers NOT_FOUND.
+
+Loading. ``get`` is the request path: a hit, or a wait for the load of that adapter
+already in flight, or a load on the calling thread (a request never queues behind
+background work). ``prefetch`` starts loads on a small thread pool and returns at once;
+``preload`` uses it to fill the tiers ahead of traffic. A refused adapter is an error for
+whoever waits on it and is never cached. One lock guards both LRUs, the slot table and the
+counters; disk reads and parsing run outside it, so ``get``, ``prefetch``, ``preload`` and
+``evict`` may be called from any thread.
+
+GPU slots. ``acquire`` gives one wave of a batch its slots. Those slots stay pinned until
+the next ``acquire`` (they are the batch in flight): ``preload`` and ``evict`` from other
+threads never overwrite them, so a batch that needs more distinct adapters than there are
+slots is served in waves by the engine (``plan_waves``), never refused. On CUDA the
+host->GPU copies are issued with ``non_blocking=True`` on a side stream. Before it
+overwrites a slot, the side stream waits on an event recorded on the compute stream after
+the last batch that read that slot (its kernels may still be queued); the compute stream
+waits on the copy's event before the batch that uses the slot. Copies for other slots
+(a preload) overlap the batch in flight. On the CPU every copy is synchronous.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+import weakref
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 import torch
 
-from manylora.lora.adapter import AdapterError, LoraAdapter, load_adapter, resolve_adapter_dir, weights_fingerprint
+from manylora.lora.adapter import (
+    AdapterError,
+    LoraAdapter,
+    LoraModule,
+    load_adapter,
+    resolve_adapter_dir,
+    weights_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
+
+LOAD_WORKERS = 2  # background disk -> host loader threads per store
 
 
 def slot_bytes(shapes: Mapping[str, tuple[int, int]], max_rank: int, dtype: torch.dtype) -> int:
     """Bytes of one GPU slot: A [R, in] and B [out, R] for every LoRA-able linear."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return sum(max_rank * (i + o) for i, o in shapes.values()) * itemsize
+
+
+def adapter_bytes(adapter: LoraAdapter) -> int:
+    """Host memory of an adapter's weights (at its own ranks, in its own dtype)."""
+    return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in adapter.modules.values())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _available_host_memory() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class AdapterStore:
@@ -45,17 +98,47 @@ class AdapterStore:
         host_slots: int,
         device: torch.device,
         dtype: torch.dtype,
+        load_workers: int = LOAD_WORKERS,
     ):
-        assert host_slots >= gpu_slots >= 1, "host slots must be >= GPU slots >= 1"
-        need = slot_bytes(shapes, max_rank, dtype) * gpu_slots
+        per_slot = slot_bytes(shapes, max_rank, dtype)
+        if gpu_slots < 1:
+            raise ValueError(f"max_gpu_adapters must be >= 1, got {gpu_slots}")
+        if host_slots < gpu_slots:
+            raise ValueError(
+                f"max_cpu_adapters ({host_slots}) must be >= max_gpu_adapters ({gpu_slots}): the adapters in GPU "
+                f"slots stay in host memory too. At rank {max_rank} in {dtype}, one adapter takes up to "
+                f"{per_slot / 2**20:.1f} MiB, so {gpu_slots} host slots need up to {_gib(gpu_slots * per_slot)} "
+                f"of host memory (and {_gib(gpu_slots * per_slot)} of {device} memory for the GPU slots)"
+            )
+        need = per_slot * gpu_slots
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             if need > 0.8 * free:
                 raise MemoryError(
-                    f"{gpu_slots} GPU adapter slots at rank {max_rank} need {need / 2**30:.1f} GiB; "
-                    f"{free / 2**30:.1f} GiB is free: lower max_gpu_adapters or max_lora_rank"
+                    f"{gpu_slots} GPU adapter slots at rank {max_rank} need {_gib(need)}; "
+                    f"{_gib(free)} is free: lower max_gpu_adapters or max_lora_rank"
                 )
-        logger.info("adapter slots: %d on %s at rank %d take %.2f GiB", gpu_slots, device, max_rank, need / 2**30)
+        host_bound = per_slot * host_slots
+        logger.info(
+            "adapter slots: %d on %s at rank %d take %s; the host tier holds %d adapters in %s, up to %s",
+            gpu_slots,
+            device,
+            max_rank,
+            _gib(need),
+            host_slots,
+            dtype,
+            _gib(host_bound),
+        )
+        available = _available_host_memory()
+        if available is not None and host_bound > available:
+            logger.warning(
+                "the host tier (%d adapters) can take up to %s at rank %d, more than the %s of host memory "
+                "available now; lower max_cpu_adapters unless the adapters' ranks are well below max_lora_rank",
+                host_slots,
+                _gib(host_bound),
+                max_rank,
+                _gib(available),
+            )
         self.root = None if root is None else Path(root)
         self.shapes = dict(shapes)
         self.max_rank = max_rank
@@ -67,10 +150,22 @@ class AdapterStore:
         self.b = {n: torch.zeros(gpu_slots, o, max_rank, device=device, dtype=dtype) for n, (i, o) in shapes.items()}
         self.scales = {n: torch.zeros(gpu_slots, device=device, dtype=torch.float32) for n in shapes}
         self.ranks = torch.zeros(gpu_slots, device=device, dtype=torch.int32)
-        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, most recent last
-        self._gpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> slot, LRU
-        self._slot_owner: list[Optional[LoraAdapter]] = [None] * gpu_slots
+        self.pin_memory = device.type == "cuda"
         self._lock = threading.Lock()
+        self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, most recent last
+        self._host_bytes: dict[str, int] = {}
+        self._loading: dict[str, Future] = {}  # adapter id -> its load in flight (queued or running)
+        self._gpu: OrderedDict[str, int] = OrderedDict()  # adapter id -> slot, LRU
+        self._slot_owner: list[Optional[LoraAdapter]] = [None] * gpu_slots  # whose weights each slot holds
+        self._pinned: frozenset[int] = frozenset()  # slots of the batch in flight (the last acquire)
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._compute_stream = None  # the stream of the last acquire
+        self._slot_ready: dict[int, torch.cuda.Event] = {}  # slot -> event of its last copy
+        self._slot_used: dict[int, torch.cuda.Event] = {}  # slot -> event after the last batch that read it
+        self._copy_timings: deque = deque(maxlen=4096)  # (start, end) CUDA events of copies not yet measured
+        self._pin_warned = False
+        self._executor = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="manylora-adapter-load")
+        weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         self.loads = {"disk": 0, "gpu": 0}
         # for metrics: ("hit" | "miss" | "evict", "host" | "gpu") -> count, and load latencies (s)
         self.events: Counter = Counter()
@@ -80,73 +175,273 @@ class AdapterStore:
     def gpu_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the adapters in the host tier."""
+        with self._lock:
+            return sum(self._host_bytes.values())
+
     # ------------------------------------------------------------------ host tier
     def get(self, adapter_id: str) -> LoraAdapter:
-        """The parsed adapter (from host memory, or disk when new or changed); raises AdapterError."""
+        """The parsed adapter (from host memory, or disk when new or changed); raises AdapterError.
+
+        Waits only for this adapter's own load when one is already in flight."""
+        folder, fingerprint = self._locate(adapter_id)
+        counted = False
+        while True:
+            with self._lock:
+                cached = self._fresh(adapter_id, folder, fingerprint)
+                if cached is not None:
+                    self._host.move_to_end(adapter_id)
+                    if not counted:
+                        self.events["hit", "host"] += 1
+                    return cached
+                if not counted:
+                    self.events["miss", "host"] += 1
+                    counted = True
+                future = self._loading.get(adapter_id)
+                joined = future is not None and future.fingerprint == fingerprint and not future.cancelled()
+                if not joined:
+                    future = self._new_load(adapter_id, folder, fingerprint)
+                claimed = future.set_running_or_notify_cancel() if not (future.running() or future.done()) else False
+            if claimed:
+                self._load(adapter_id, folder, future)
+            try:
+                adapter = future.result()
+            except CancelledError:  # evicted while queued: load it here
+                continue
+            if claimed or adapter.fingerprint == fingerprint:
+                return adapter
+            # the load we waited for read an older version: look at the folder again
+            folder, fingerprint = self._locate(adapter_id)
+
+    def prefetch(self, adapter_ids: Iterable[Optional[str]]) -> dict[str, Future]:
+        """Start loading what is not in host memory yet, on the loader threads; returns at once.
+
+        One future per distinct id (its LoraAdapter, or its AdapterError). An adapter already in
+        host memory is not looked up on disk again here: ``get`` does that when it is used."""
+        return {name: self._prefetch(name, verify=False) for name in dict.fromkeys(n for n in adapter_ids if n)}
+
+    def _prefetch(self, adapter_id: str, verify: bool) -> Future:
+        if not verify:
+            with self._lock:
+                cached = self._host.get(adapter_id)
+                if cached is not None:
+                    self._host.move_to_end(adapter_id)
+                    return _done(cached)
+                if adapter_id in self._loading:
+                    return self._loading[adapter_id]
+        try:
+            folder, fingerprint = self._locate(adapter_id)
+        except AdapterError as exc:
+            return _failed(exc)
+        with self._lock:
+            cached = self._fresh(adapter_id, folder, fingerprint)
+            if cached is not None:
+                self._host.move_to_end(adapter_id)
+                return _done(cached)
+            future = self._loading.get(adapter_id)
+            if future is not None and future.fingerprint == fingerprint and not future.cancelled():
+                return future
+            future = self._new_load(adapter_id, folder, fingerprint)
+            try:
+                self._executor.submit(self._load_queued, adapter_id, folder, future)
+            except RuntimeError:  # closed: the caller's own get() still loads it
+                del self._loading[adapter_id]
+                future.cancel()
+        return future
+
+    def _locate(self, adapter_id: str) -> tuple[Path, Optional[tuple]]:
         if self.root is None:
             raise AdapterError("NOT_FOUND", f"unknown adapter {adapter_id!r}: this model has no adapter directory")
         folder = resolve_adapter_dir(self.root, adapter_id)
+        try:
+            return folder, weights_fingerprint(folder)
+        except OSError:
+            return folder, None  # a file is missing: the load says which
+
+    def _fresh(self, adapter_id: str, folder: Path, fingerprint) -> Optional[LoraAdapter]:
+        cached = self._host.get(adapter_id)
+        if (
+            cached is not None
+            and fingerprint is not None
+            and cached.fingerprint == fingerprint
+            and cached.path == folder
+        ):
+            return cached
+        return None
+
+    def _new_load(self, adapter_id: str, folder: Path, fingerprint) -> Future:
+        superseded = self._loading.get(adapter_id)
+        if superseded is not None:
+            superseded.cancel()  # only a queued one; a running one finishes but is not cached
+        future: Future = Future()
+        future.fingerprint = fingerprint  # what the folder looked like when the load was asked for
+        self._loading[adapter_id] = future
+        return future
+
+    def _load_queued(self, adapter_id: str, folder: Path, future: Future) -> None:
         with self._lock:
-            cached = self._host.get(adapter_id)
-            try:
-                fingerprint = weights_fingerprint(folder)
-            except OSError:
-                fingerprint = None
-            if cached is not None and cached.fingerprint == fingerprint and cached.path == folder:
-                self._host.move_to_end(adapter_id)
-                self.events["hit", "host"] += 1
-                return cached
-            self.events["miss", "host"] += 1
+            if future.running() or future.done() or not future.set_running_or_notify_cancel():
+                return  # a request claimed it, or it was evicted before it started
+        self._load(adapter_id, folder, future)
+
+    def _load(self, adapter_id: str, folder: Path, future: Future) -> None:
+        """Read, check and convert one adapter, then publish it (host tier and future)."""
         started = time.perf_counter()
-        adapter = load_adapter(adapter_id, folder, self.shapes, self.max_rank)
+        try:
+            adapter = self._to_host(load_adapter(adapter_id, folder, self.shapes, self.max_rank))
+        except BaseException as exc:
+            with self._lock:
+                if self._loading.get(adapter_id) is future:
+                    del self._loading[adapter_id]
+            if not isinstance(exc, AdapterError):
+                logger.exception("loading adapter %r failed", adapter_id)
+            future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
         with self._lock:
             self.load_seconds["disk_to_host"].append(time.perf_counter() - started)
             self.loads["disk"] += 1
-            self._host[adapter_id] = adapter
-            self._host.move_to_end(adapter_id)
-            while len(self._host) > self.host_slots:
-                self._host.popitem(last=False)
-                self.events["evict", "host"] += 1
-        return adapter
+            if self._loading.get(adapter_id) is future:  # not evicted or superseded meanwhile
+                del self._loading[adapter_id]
+                self._host[adapter_id] = adapter
+                self._host.move_to_end(adapter_id)
+                self._host_bytes[adapter_id] = adapter_bytes(adapter)
+                self._trim_host(keep=adapter_id)
+        future.set_result(adapter)
+
+    def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
+        """The adapter in the serving dtype, packed into one (page-locked on CUDA) buffer."""
+        modules = sorted(adapter.modules.items())
+        total = sum(m.a.numel() + m.b.numel() for _, m in modules)
+        buffer = self._host_buffer(total)
+        packed, offset = {}, 0
+        for path, module in modules:
+            parts = []
+            for t in (module.a, module.b):
+                view = buffer[offset : offset + t.numel()].view(t.shape)
+                view.copy_(t)  # float32 -> serving dtype, rounded as a GPU copy_ would round it
+                parts.append(view)
+                offset += t.numel()
+            packed[path] = LoraModule(parts[0], parts[1], module.scale)
+        if self.dtype != torch.float32 and not torch.isfinite(buffer).all():
+            bad = next(p for p, m in packed.items() if not (torch.isfinite(m.a).all() and torch.isfinite(m.b).all()))
+            raise AdapterError(
+                "INVALID_ARG",
+                f"adapter {adapter.name!r} cannot be served: {bad} holds weights beyond the {self.dtype} range",
+            )
+        return dataclasses.replace(adapter, modules=packed)
+
+    def _host_buffer(self, numel: int) -> torch.Tensor:
+        if self.pin_memory:
+            try:
+                return torch.empty(numel, dtype=self.dtype, pin_memory=True)
+            except RuntimeError as exc:
+                if not self._pin_warned:
+                    self._pin_warned = True
+                    logger.warning("page-locked host memory unavailable (%s); host->GPU copies are synchronous", exc)
+        return torch.empty(numel, dtype=self.dtype)
+
+    def _trim_host(self, keep: str) -> None:
+        """Evict least recently used host adapters beyond ``host_slots``; those in GPU slots last."""
+        on_gpu = {id(self._slot_owner[s]) for s in self._gpu.values()}
+        while len(self._host) > self.host_slots:
+            candidates = [n for n in self._host if n != keep]
+            victim = next((n for n in candidates if id(self._host[n]) not in on_gpu), candidates[0])
+            del self._host[victim]
+            del self._host_bytes[victim]
+            self.events["evict", "host"] += 1
 
     # ------------------------------------------------------------------ GPU tier
     def acquire(self, adapters: Iterable[LoraAdapter]) -> dict[str, int]:
-        """GPU slots for at most ``gpu_slots`` distinct adapters, loading what is missing.
+        """GPU slots for at most ``gpu_slots`` distinct adapters (one wave), loading what is missing.
 
-        Slots of the adapters asked for are not evicted by this call (they are the batch
-        in flight); the least recently used other slots are.
+        Slots of the adapters asked for are not evicted by this call, and stay pinned until the
+        next ``acquire`` (they are the batch in flight); the least recently used other slots are
+        evicted. On CUDA the current stream waits for the copies before the batch runs.
         """
         wanted = {a.name: a for a in adapters}
         assert len(wanted) <= self.gpu_slots, f"{len(wanted)} adapters > {self.gpu_slots} GPU slots: plan waves"
         with self._lock:
-            result = {}
-            missing = []
-            for name, adapter in wanted.items():
-                slot = self._gpu.get(name)
-                if slot is not None and self._slot_owner[slot] is adapter:
-                    self._gpu.move_to_end(name)
-                    result[name] = slot
-                    self.events["hit", "gpu"] += 1
-                else:
-                    missing.append(adapter)
-                    self.events["miss", "gpu"] += 1
-            free = [s for s in range(self.gpu_slots) if self._slot_owner[s] is None]
-            evictable = [n for n in self._gpu if n not in wanted]  # LRU order
-            for adapter in missing:
-                if adapter.name in self._gpu:  # stale copy of a changed adapter: reuse its slot
-                    slot = self._gpu.pop(adapter.name)
-                elif free:
-                    slot = free.pop()
-                else:
-                    victim = evictable.pop(0)
-                    slot = self._gpu.pop(victim)
-                    self.events["evict", "gpu"] += 1
+            if self._copy_stream is not None:
+                self._compute_stream = torch.cuda.current_stream(self.device)
+            self._unpin()  # the previous batch is done (on the host side)
+            result = self._assign(wanted)
+            self._pinned = frozenset(result.values())
+            if self._copy_stream is not None:
+                for slot in result.values():
+                    event = self._slot_ready.pop(slot, None)
+                    if event is not None:
+                        self._compute_stream.wait_event(event)
+            return result
+
+    def _unpin(self) -> None:
+        if self._pinned and self._copy_stream is not None:  # the pinned batch's kernels are all queued by now
+            queued = (self._compute_stream or torch.cuda.current_stream(self.device)).record_event()
+            for slot in self._pinned:
+                self._slot_used[slot] = queued
+        self._pinned = frozenset()
+
+    def _assign(self, wanted: Mapping[str, LoraAdapter], place_all: bool = True) -> dict[str, int]:
+        """Slots for ``wanted`` (under the lock), never touching pinned slots; with
+        ``place_all=False`` the adapters that find no slot are left out."""
+        result, missing = {}, []
+        for name, adapter in wanted.items():
+            slot = self._gpu.get(name)
+            if slot is not None and self._slot_owner[slot] is adapter:
+                self._gpu.move_to_end(name)
+                result[name] = slot
+                self.events["hit", "gpu"] += 1
+            else:
+                missing.append(adapter)
+                self.events["miss", "gpu"] += 1
+        mapped = set(self._gpu.values())
+        free = [s for s in range(self.gpu_slots) if s not in mapped and s not in self._pinned]
+        evictable = [n for n, s in self._gpu.items() if n not in wanted and s not in self._pinned]  # LRU order
+        writes = []
+        for adapter in missing:
+            stale = self._gpu.pop(adapter.name, None)
+            if stale is not None and stale not in self._pinned:  # old copy of a changed adapter: reuse its slot
+                slot = stale
+            elif free:
+                slot = free.pop()
+            elif evictable:
+                slot = self._gpu.pop(evictable.pop(0))
+                self.events["evict", "gpu"] += 1
+            else:
+                assert not place_all, "no GPU slot left for a wave within gpu_slots"
+                if stale is not None:
+                    self._gpu[adapter.name] = stale
+                break
+            writes.append((slot, adapter))
+            self._gpu[adapter.name] = slot
+            result[adapter.name] = slot
+        self._write_slots(writes)
+        return result
+
+    def _write_slots(self, writes: list[tuple[int, LoraAdapter]]) -> None:
+        if not writes:
+            return
+        stream = self._copy_stream
+        if stream is None:
+            for slot, adapter in writes:
                 started = time.perf_counter()
                 self._write_slot(slot, adapter)
                 self.load_seconds["host_to_gpu"].append(time.perf_counter() - started)
-                self._gpu[adapter.name] = slot
-                result[adapter.name] = slot
-            return result
+            return
+        with torch.cuda.stream(stream):
+            for slot, adapter in writes:
+                used = self._slot_used.pop(slot, None)
+                if used is not None:  # kernels of an earlier batch may still read this slot
+                    stream.wait_event(used)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                self._write_slot(slot, adapter)
+                end.record(stream)
+                self._slot_ready[slot] = end
+                self._copy_timings.append((start, end))
 
     def _write_slot(self, slot: int, adapter: LoraAdapter) -> None:
         for name in self.shapes:
@@ -167,44 +462,141 @@ class AdapterStore:
         self._slot_owner[slot] = adapter
         self.loads["gpu"] += 1
 
+    # ------------------------------------------------------------------ fleet operations
     def preload(self, names: Optional[Iterable[str]] = None) -> list[str]:
         """Load adapters ahead of traffic: the named ones, or every folder of the root, as far as
-        the host tier holds them; the first ``gpu_slots`` of them also go to the GPU.
-        Returns the loaded names; a refused adapter is logged and skipped."""
+        the host tier holds them; the first ``gpu_slots`` of them also go to the GPU (slots of a
+        batch in flight excepted). Returns the loaded names; a refused adapter is logged and skipped."""
+        return self.preload_report(names)["loaded"]
+
+    def preload_report(self, names: Optional[Iterable[str]] = None) -> dict:
+        """``preload``, answering {"loaded", "refused" (id -> message), "skipped" (beyond the
+        host tier), "gpu" (those now in GPU slots)}. Loads run on the loader threads, as many at
+        once as the host tier has room for."""
         if names is None:
-            names = sorted(p.name for p in self.root.iterdir() if (p / "adapter_model.safetensors").is_file())
-        loaded = []
-        for name in names:
-            if len(loaded) >= self.host_slots:
+            names = self.servable()
+        pending = list(dict.fromkeys(names))
+        loaded: list[LoraAdapter] = []
+        refused: dict[str, str] = {}
+        in_flight: list[tuple[str, Future]] = []
+        while pending or in_flight:
+            while pending and len(loaded) + len(in_flight) < self.host_slots:
+                name = pending.pop(0)
+                in_flight.append((name, self._prefetch(name, verify=True)))
+            if not in_flight:
                 break
+            name, future = in_flight.pop(0)
             try:
-                loaded.append(self.get(name))
+                loaded.append(future.result())
             except AdapterError as exc:
+                refused[name] = exc.message
                 logger.warning("preload: %s", exc.message)
-        self.acquire(loaded[: self.gpu_slots])
-        return [a.name for a in loaded]
+            except CancelledError:
+                refused[name] = f"adapter {name!r} was evicted while it loaded"
+        with self._lock:
+            placed = self._assign({a.name: a for a in loaded[: self.gpu_slots]}, place_all=False)
+        return {"loaded": [a.name for a in loaded], "refused": refused, "skipped": pending, "gpu": list(placed)}
+
+    def servable(self) -> list[str]:
+        """Adapter folders of the root (those with a weights file), sorted."""
+        if self.root is None:
+            return []
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if not p.name.startswith(".") and (p / "adapter_model.safetensors").is_file()
+        )
+
+    def evict(self, names: Iterable[str]) -> list[str]:
+        """Forget these adapters in both tiers and cancel their loads; returns those that were
+        resident or loading. A slot of the batch in flight keeps its weights until the batch is done."""
+        evicted = []
+        with self._lock:
+            for name in dict.fromkeys(names):
+                found = self._host.pop(name, None) is not None
+                self._host_bytes.pop(name, None)
+                future = self._loading.pop(name, None)
+                if future is not None:
+                    future.cancel()
+                    found = True
+                found = self._gpu.pop(name, None) is not None or found
+                if found:
+                    evicted.append(name)
+        return evicted
 
     def clear(self) -> None:
-        """Forget every resident adapter (both tiers); the slot tensors are kept."""
+        """Forget every resident adapter (both tiers) and cancel queued loads; the slot tensors are kept."""
         with self._lock:
+            for future in self._loading.values():
+                future.cancel()
+            self._loading.clear()
             self._host.clear()
+            self._host_bytes.clear()
             self._gpu.clear()
             self._slot_owner = [None] * self.gpu_slots
+            self._unpin()
             self.loads = {"disk": 0, "gpu": 0}
 
+    def close(self) -> None:
+        """Stop the loader threads (queued loads are cancelled); ``get`` still works."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for name, future in list(self._loading.items()):
+                if future.cancel():
+                    del self._loading[name]
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ introspection
     def owner(self, slot: int) -> Optional[LoraAdapter]:
+        """The adapter whose weights slot ``slot`` holds."""
         return self._slot_owner[slot]
 
     def drain_load_seconds(self) -> dict[str, list[float]]:
-        """Load latencies recorded since the last drain (for histograms)."""
+        """Load latencies recorded since the last drain (for histograms). On CUDA a host->GPU
+        latency is the copy's own time on the side stream, counted once the copy has finished."""
         with self._lock:
             drained = self.load_seconds
             self.load_seconds = {"disk_to_host": [], "host_to_gpu": []}
+            while self._copy_timings and self._copy_timings[0][1].query():  # copies finish in order
+                start, end = self._copy_timings.popleft()
+                drained["host_to_gpu"].append(start.elapsed_time(end) / 1000.0)
             return drained
 
     def resident(self) -> dict[str, list[str]]:
         with self._lock:
             return {"gpu": list(self._gpu), "host": list(self._host)}
+
+    def loading(self) -> list[str]:
+        """Adapters whose load is queued or running."""
+        with self._lock:
+            return list(self._loading)
+
+    def stats(self) -> dict:
+        """A JSON-ready snapshot: capacity, residents, counters, memory."""
+        with self._lock:
+            return {
+                "slots": {"gpu": self.gpu_slots, "host": self.host_slots},
+                "resident": {"gpu": len(self._gpu), "host": len(self._host)},
+                "loading": len(self._loading),
+                "events": {t: {e: self.events[e, t] for e in ("hit", "miss", "evict")} for t in ("host", "gpu")},
+                "loads": dict(self.loads),
+                "bytes": {"gpu_slots": self.gpu_bytes, "host": sum(self._host_bytes.values())},
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "max_rank": self.max_rank,
+                "pinned_host_memory": self.pin_memory and not self._pin_warned,
+            }
+
+
+def _done(adapter: LoraAdapter) -> Future:
+    future: Future = Future()
+    future.set_result(adapter)
+    return future
+
+
+def _failed(exc: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
 
 
 def plan_waves(adapter_names: Iterable[Optional[str]], gpu_slots: int) -> list[set[str]]:
