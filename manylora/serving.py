@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -40,6 +41,17 @@ def check_model_config(model_config: dict) -> None:
         raise ValueError(f"config.pbtxt tensors {declared} do not match the protocol {expected}")
 
 
+def threads_per_instance(model_config: dict, cpu_count: int) -> int:
+    """CPU threads for one instance's torch ops: the host's cores shared by every instance
+    of this model on the host (``count`` per listed GPU). Each instance is its own process
+    with its own intra-op pool; left at torch's default (all cores each), N instances run
+    N x cores threads, and small host ops (adapter loads, decoding) thrash."""
+    instances = 0
+    for group in model_config.get("instance_group") or [{}]:
+        instances += int(group.get("count", 1)) * max(1, len(group.get("gpus") or []))
+    return max(1, cpu_count // max(1, instances))
+
+
 def instance_device(args: dict) -> str:
     if args.get("model_instance_kind") == "GPU":
         return f"cuda:{int(args.get('model_instance_device_id', 0))}"
@@ -56,9 +68,10 @@ class TritonModelHandler:
         model_config = json.loads(args["model_config"])
         check_model_config(model_config)
         device = instance_device(args)
-        if device.startswith("cuda"):
-            import torch
+        import torch
 
+        torch.set_num_threads(threads_per_instance(model_config, os.cpu_count() or 1))
+        if device.startswith("cuda"):
             torch.cuda.set_device(device)
         config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)

@@ -86,3 +86,13 @@ def test_readme_documents_every_parameter():
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{key}` |")), None)
         assert row is not None, f"README's parameter table lacks {key}"
         assert ("mandatory" in row) == mandatory, row
+
+
+def test_threads_per_instance_share_the_host():
+    from manylora.serving import threads_per_instance
+
+    assert threads_per_instance({"instance_group": [{"count": 4, "kind": "KIND_GPU", "gpus": [0]}]}, 16) == 4
+    assert threads_per_instance({"instance_group": [{"count": 4, "gpus": [0, 1]}]}, 16) == 2
+    assert threads_per_instance({"instance_group": [{"count": 1}]}, 2) == 2
+    assert threads_per_instance({}, 8) == 8
+    assert threads_per_instance({"instance_group": [{"count": 64}]}, 16) == 1
