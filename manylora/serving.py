@@ -76,6 +76,10 @@ class TritonModelHandler:
         config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
         self.engine = Engine(config)
+        from manylora.control import attach_control
+
+        # list / preload / evict / stats from the manylora_control model (README: Adapter control)
+        self.control = attach_control(self.engine, args)
         from manylora.metrics import AdapterMetrics
 
         self.metrics = AdapterMetrics(
@@ -134,6 +138,8 @@ class TritonModelHandler:
 
     def finalize(self) -> None:
         self.metrics.close()
+        if self.control is not None:
+            self.control.close()
         self.engine = None
 
 
