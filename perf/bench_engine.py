@@ -69,6 +69,20 @@ def pick_adapters(names, n_requests, distribution, seed):
     return rng.choices(names, weights=weights, k=n_requests)
 
 
+def _timings(n: int, elapsed: float, errors: int, latencies: list, split: dict) -> dict:
+    """The fields every mode reports: counts, req/s, batch latency percentiles, time split."""
+    return {
+        "requests": n,
+        "seconds": elapsed,
+        "req_per_s": n / elapsed,
+        "errors": errors,
+        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
+        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
+        "batch_p99_ms": 1e3 * _percentile(latencies, 99),
+        "split_s": {k: round(v, 4) for k, v in split.items()},
+    }
+
+
 def run_engine_mode(engine, texts, schema, adapters, batch, warmup_batches, device):
     from manylora.engine import Request
 
@@ -99,16 +113,7 @@ def run_engine_mode(engine, texts, schema, adapters, batch, warmup_batches, devi
         latencies.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - start
     n = sum(len(b) for b in batches[warmup_batches:])
-    return {
-        "requests": n,
-        "seconds": elapsed,
-        "req_per_s": n / elapsed,
-        "errors": errors,
-        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
-        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
-        "batch_p99_ms": 1e3 * _percentile(latencies, 99),
-        "split_s": {k: round(v, 4) for k, v in split.items()},
-    }
+    return _timings(n, elapsed, errors, latencies, split)
 
 
 class HotSwapServer:
@@ -165,16 +170,9 @@ def run_hotswap_mode(server, texts, schema, adapters, seconds_cap, device):
         if time.perf_counter() - start > seconds_cap:
             break
     elapsed = time.perf_counter() - start
-    return {
-        "requests": n,
-        "seconds": elapsed,
-        "req_per_s": n / elapsed,
-        "errors": 0,
-        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
-        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
-        "batch_p99_ms": 1e3 * _percentile(latencies, 99),
-        "disk_loads": server.disk_loads,
-    }
+    row = _timings(n, elapsed, 0, latencies, {})
+    del row["split_s"]  # one request at a time: no pre/core/post split
+    return {**row, "disk_loads": server.disk_loads}
 
 
 class PeftMixedServer:
@@ -334,17 +332,7 @@ def run_peft_mixed_mode(server, texts, schema, adapters, batch, warmup_batches, 
         errors += sum(not isinstance(o, dict) for o in outs)
         n += len(outs)
     elapsed = time.perf_counter() - start
-    return {
-        "requests": n,
-        "seconds": elapsed,
-        "req_per_s": n / elapsed,
-        "errors": errors,
-        "batch_p50_ms": 1e3 * _percentile(latencies, 50),
-        "batch_p95_ms": 1e3 * _percentile(latencies, 95),
-        "batch_p99_ms": 1e3 * _percentile(latencies, 99),
-        "split_s": {k: round(v, 4) for k, v in split.items()},
-        "peft_resident": len(server.resident),
-    }
+    return {**_timings(n, elapsed, errors, latencies, split), "peft_resident": len(server.resident)}
 
 
 class RequestCost:

@@ -196,13 +196,14 @@ class AdapterStore:
                     if not counted:
                         self.events["hit", "host"] += 1
                     return cached
-                if not counted:
-                    self.events["miss", "host"] += 1
-                    counted = True
                 future = self._loading.get(adapter_id)
                 joined = future is not None and future.fingerprint == fingerprint and not future.cancelled()
                 if not joined:
                     future = self._new_load(adapter_id, folder, fingerprint)
+                if not counted:  # a host miss is a disk load; whoever started it (get or prefetch) counts it
+                    if not joined:
+                        self.events["miss", "host"] += 1
+                    counted = True
                 claimed = future.set_running_or_notify_cancel() if not (future.running() or future.done()) else False
             if claimed:
                 self._load(adapter_id, folder, future)
@@ -244,6 +245,7 @@ class AdapterStore:
             if future is not None and future.fingerprint == fingerprint and not future.cancelled():
                 return future
             future = self._new_load(adapter_id, folder, fingerprint)
+            self.events["miss", "host"] += 1
             try:
                 self._executor.submit(self._load_queued, adapter_id, folder, future)
             except RuntimeError:  # closed: the caller's own get() still loads it

@@ -13,13 +13,13 @@ import json
 import random
 import re
 import shutil
-import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from fault_tools import infer_inputs, send_together
 from google.protobuf import text_format
 from manylora.client import protocol
 from tritonclient.grpc import model_config_pb2
@@ -60,31 +60,7 @@ def fleet(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapter
 
 def _send_together(url: str, requests: list) -> list:
     """Every request at once (async gRPC); the InferResult or the exception of each, in order."""
-    client = grpcclient.InferenceServerClient(url)
-    answers: dict[int, object] = {}
-    done = threading.Condition()
-
-    def callback(index):
-        def store(result, error):
-            with done:
-                answers[index] = error if error is not None else result
-                done.notify_all()
-
-        return store
-
-    try:
-        for index, request in enumerate(requests):
-            inputs = []
-            for name, array in request.to_arrays().items():
-                tensor = grpcclient.InferInput(name, list(array.shape), protocol.SPECS[name].triton_dtype)
-                tensor.set_data_from_numpy(array)
-                inputs.append(tensor)
-            client.async_infer("gliner2", inputs, callback(index))
-        with done:
-            assert done.wait_for(lambda: len(answers) == len(requests), 600), "requests left unanswered"
-        return [answers[i] for i in range(len(requests))]
-    finally:
-        client.close()
+    return send_together(url, [infer_inputs(grpcclient, r.to_arrays()) for r in requests], timeout=600)
 
 
 def _metric(text: str, name: str, *labels: str) -> float:

@@ -10,12 +10,7 @@ from manylora.decode import find_spans
 def test_find_spans_equals_gliner2(reference_model, seed):
     generator = torch.Generator().manual_seed(seed)
     words = ["Alpha", "beta", " ", "Gamma-1", "(x)", "delta", "e", "", "Zeta"] * 3
-    text, start_map, end_map = "", [], []
-    for word in words:
-        start_map.append(len(text))
-        text += word
-        end_map.append(len(text))
-        text += " "
+    text, start_map, end_map = _text_maps(words)
     length = len(words) - (seed % 4)  # also shorter than the map
     scores = torch.rand(length + 2, 8, generator=generator)
     threshold = [0.0, 0.5, 0.9, 1.0][seed % 4]
