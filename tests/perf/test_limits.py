@@ -81,9 +81,9 @@ def test_flops_grow_about_linearly_with_tokens(tiny_checkpoint):
     one = flop_breakdown(shape, 100, words=70, batch=10**9)["encoder_linears"]
     two = flop_breakdown(shape, 200, words=140, batch=10**9)["encoder_linears"]
     assert two == pytest.approx(2 * one, rel=1e-6)
-    base = ModelShape.from_checkpoint(Path(__file__).resolve().parents[2] / "models" / "demo-base")
-    if base.hidden == 768:  # built by make demo; a real base-size count when it is there
-        total = flops_per_request(base, 150, words=105, batch=256)
+    folder = Path(__file__).resolve().parents[2] / "models" / "demo-base"
+    if folder.is_dir():  # built by make demo (not on a fresh clone): a real base-size count when it is there
+        total = flops_per_request(ModelShape.from_checkpoint(folder), 150, words=105, batch=256)
         assert 25e9 < total < 40e9, "12 layers of 768 hidden: about 2 x 150 x 85M parameters"
 
 
