@@ -32,6 +32,9 @@ INCLUDE_SPANS = "INCLUDE_SPANS"
 RESULT = "RESULT"
 
 BASE_ADAPTER = ""  # ADAPTER_ID value meaning "no adapter, base weights only"
+# HTTP / gRPC header carrying the adapter id, for gateways that route each adapter to the
+# replica where it is hot (deploy/k8s/router.yaml hashes on it); the server ignores it
+ADAPTER_HEADER = "x-adapter-id"
 DEFAULT_THRESHOLD = 0.5
 
 ITEM_SHAPE = (1, 1)  # [batch of one request, dims [1]]
@@ -168,6 +171,11 @@ class Request:
             include_confidence=values[INCLUDE_CONFIDENCE],
             include_spans=values[INCLUDE_SPANS],
         )
+
+
+def routing_headers(request: "Request") -> dict[str, str]:
+    """Request headers for adapter-affinity routing: the adapter id, none for the base model."""
+    return {ADAPTER_HEADER: request.adapter} if request.adapter else {}
 
 
 def schema_limit_problem(schema: str) -> Optional[str]:

@@ -70,7 +70,11 @@ class GrpcTransport:
 
     def infer(self, model_name: str, request: protocol.Request):
         return self.triton.infer(
-            model_name, infer_inputs("grpc", request), outputs=self._outputs, client_timeout=self._timeout
+            model_name,
+            infer_inputs("grpc", request),
+            outputs=self._outputs,
+            client_timeout=self._timeout,
+            headers=protocol.routing_headers(request),
         )
 
     def submit(self, model_name: str, request: protocol.Request) -> _GrpcFuture:
@@ -81,6 +85,7 @@ class GrpcTransport:
             callback=future.done,
             outputs=self._outputs,
             client_timeout=self._timeout,
+            headers=protocol.routing_headers(request),
         )
         return future
 
@@ -140,11 +145,15 @@ class HttpTransport:
         """``fn(client)`` on a worker thread, waited for."""
         return self._run(fn).result()
 
+    def _infer(self, client, model_name: str, request: protocol.Request):
+        headers = protocol.routing_headers(request)
+        return client.infer(model_name, infer_inputs("http", request), outputs=self._outputs, headers=headers)
+
     def infer(self, model_name: str, request: protocol.Request):
-        return self.call(lambda client: client.infer(model_name, infer_inputs("http", request), outputs=self._outputs))
+        return self.call(lambda client: self._infer(client, model_name, request))
 
     def submit(self, model_name: str, request: protocol.Request) -> concurrent.futures.Future:
-        return self._run(lambda client: client.infer(model_name, infer_inputs("http", request), outputs=self._outputs))
+        return self._run(lambda client: self._infer(client, model_name, request))
 
     def close(self):
         with self._lock:

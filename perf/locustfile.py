@@ -59,7 +59,12 @@ class _TritonUser(User):
         started = time.perf_counter()
         exception, length = None, 0
         try:
-            response = self.call(self.client.infer, protocol.MODEL_NAME, infer_inputs(self.protocol_name, request))
+            response = self.call(
+                self.client.infer,
+                protocol.MODEL_NAME,
+                infer_inputs(self.protocol_name, request),
+                headers=protocol.routing_headers(request),  # adapter-affinity gateways route on it
+            )
             length = len(response.as_numpy(protocol.RESULT).reshape(-1)[0])
         except Exception as exc:  # reported to locust as a failure
             exception = exc
@@ -77,11 +82,11 @@ class GrpcUser(_TritonUser):
     protocol_name, port_env, default_port = "grpc", "MANYLORA_GRPC_PORT", 8001
 
     @staticmethod
-    def call(fn, *args):
+    def call(fn, *args, **kwargs):
         # grpcio blocks the gevent loop: run each call on gevent's OS-thread pool instead
         hub = gevent.get_hub()
         hub.threadpool.maxsize = max(hub.threadpool.maxsize, 256)
-        return hub.threadpool.apply(fn, args)
+        return hub.threadpool.apply(fn, args, kwargs)
 
     @staticmethod
     def make_client(url):
@@ -94,8 +99,8 @@ class HttpUser(_TritonUser):
     protocol_name, port_env, default_port = "http", "MANYLORA_HTTP_PORT", 8000
 
     @staticmethod
-    def call(fn, *args):  # tritonclient.http is built on geventhttpclient: cooperative already
-        return fn(*args)
+    def call(fn, *args, **kwargs):  # tritonclient.http is built on geventhttpclient: cooperative already
+        return fn(*args, **kwargs)
 
     @staticmethod
     def make_client(url):

@@ -172,3 +172,31 @@ def test_requested_output_is_result_in_binary():
 def test_unknown_protocol_is_refused():
     with pytest.raises(ValueError, match="protocol must be one of"):
         infer_inputs("websocket", REQUEST)
+
+
+def test_routing_headers_carry_the_adapter_for_affinity_gateways():
+    from manylora.client.protocol import ADAPTER_HEADER, Request, routing_headers
+
+    assert routing_headers(Request("t", "{}", adapter="support-v2")) == {ADAPTER_HEADER: "support-v2"}
+    assert routing_headers(Request("t", "{}")) == {}
+    assert ADAPTER_HEADER == "x-adapter-id"  # deploy/k8s/router.yaml hashes on this header
+
+
+def test_transports_send_the_routing_header():
+    from manylora.client.protocol import Request
+    from manylora.client.transport import GrpcTransport, HttpTransport
+
+    calls = []
+
+    class FakeTriton:
+        def infer(self, model_name, inputs, **kwargs):
+            calls.append(kwargs["headers"])
+            return "ok"
+
+    grpc = GrpcTransport.__new__(GrpcTransport)
+    grpc.triton, grpc._timeout, grpc._outputs = FakeTriton(), None, []
+    assert grpc.infer("gliner2", Request("t", "{}", adapter="a1")) == "ok"
+    http = HttpTransport.__new__(HttpTransport)
+    http._outputs = []
+    assert http._infer(FakeTriton(), "gliner2", Request("t", "{}")) == "ok"
+    assert calls == [{"x-adapter-id": "a1"}, {}]
