@@ -221,9 +221,14 @@ class AdapterStore:
 
         One future per distinct id (its LoraAdapter, or its AdapterError). An adapter already in
         host memory is not looked up on disk again here: ``get`` does that when it is used."""
-        return {name: self._prefetch(name, verify=False) for name in dict.fromkeys(n for n in adapter_ids if n)}
+        return {
+            name: self._prefetch(name, verify=False, count_miss=True)
+            for name in dict.fromkeys(n for n in adapter_ids if n)
+        }
 
-    def _prefetch(self, adapter_id: str, verify: bool) -> Future:
+    def _prefetch(self, adapter_id: str, verify: bool, count_miss: bool = False) -> Future:
+        # count_miss: a load started for requests (a batch's prefetch) is their host miss;
+        # a preload (control model, preload_adapters) is not a request and counts none
         if not verify:
             with self._lock:
                 cached = self._host.get(adapter_id)
@@ -245,7 +250,8 @@ class AdapterStore:
             if future is not None and future.fingerprint == fingerprint and not future.cancelled():
                 return future
             future = self._new_load(adapter_id, folder, fingerprint)
-            self.events["miss", "host"] += 1
+            if count_miss:
+                self.events["miss", "host"] += 1
             try:
                 self._executor.submit(self._load_queued, adapter_id, folder, future)
             except RuntimeError:  # closed: the caller's own get() still loads it
