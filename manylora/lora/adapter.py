@@ -241,13 +241,13 @@ def load_adapter(name: str, folder: Path, shapes: Mapping[str, tuple[int, int]],
         alpha = float(alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), path), alpha_default))
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         a, b = a.to(torch.float32, copy=True).contiguous(), b.to(torch.float32, copy=True).contiguous()
-        if not (_all_finite(a) and _all_finite(b) and math.isfinite(scale)):
+        if not (all_finite(a) and all_finite(b) and math.isfinite(scale)):
             raise refuse(f"{path} holds NaN or infinite weights")
         modules[path] = LoraModule(a, b, scale)
     return LoraAdapter(name, folder, modules, (config_key, weights_key))
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """No NaN or infinity in ``t``: their float64 sum is finite exactly then (finite float32 values
     cannot overflow a float64 sum). 10x faster than ``isfinite().all()`` on CPU, which matters
     with 168 tensors per adapter and 1,024 adapters preloaded per instance."""

@@ -51,6 +51,7 @@ from manylora.lora.adapter import (
     AdapterError,
     LoraAdapter,
     LoraModule,
+    all_finite,
     load_adapter,
     resolve_adapter_dir,
     weights_fingerprint,
@@ -334,8 +335,8 @@ class AdapterStore:
                 parts.append(view)
                 offset += t.numel()
             packed[path] = LoraModule(parts[0], parts[1], module.scale)
-        if self.dtype != torch.float32 and not torch.isfinite(buffer).all():
-            bad = next(p for p, m in packed.items() if not (torch.isfinite(m.a).all() and torch.isfinite(m.b).all()))
+        if self.dtype != torch.float32 and not all_finite(buffer):
+            bad = next(p for p, m in packed.items() if not (all_finite(m.a) and all_finite(m.b)))
             raise AdapterError(
                 "INVALID_ARG",
                 f"adapter {adapter.name!r} cannot be served: {bad} holds weights beyond the {self.dtype} range",
