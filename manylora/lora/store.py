@@ -58,6 +58,7 @@ from manylora.lora.adapter import (
 )
 
 logger = logging.getLogger(__name__)
+REFUSALS_KEPT = 4096  # refused adapter folders remembered (until their files change)
 
 LOAD_WORKERS = 2  # background disk -> host loader threads per store
 
@@ -167,6 +168,8 @@ class AdapterStore:
         self._pin_warned = False
         self._executor = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="manylora-adapter-load")
         weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
+        # adapter id -> (folder, fingerprint, refusal): a refused folder is not read again until it changes
+        self._refused: OrderedDict[str, tuple[Path, tuple, AdapterError]] = OrderedDict()
         self.loads = {"disk": 0, "gpu": 0}
         # for metrics: ("hit" | "miss" | "evict", "host" | "gpu") -> count, and load latencies (s)
         self.events: Counter = Counter()
@@ -188,6 +191,9 @@ class AdapterStore:
 
         Waits only for this adapter's own load when one is already in flight."""
         folder, fingerprint = self._locate(adapter_id)
+        refused = self._refusal(adapter_id, folder, fingerprint)
+        if refused is not None:
+            raise refused
         counted = False
         while True:
             with self._lock:
@@ -242,6 +248,9 @@ class AdapterStore:
             folder, fingerprint = self._locate(adapter_id)
         except AdapterError as exc:
             return _failed(exc)
+        refused = self._refusal(adapter_id, folder, fingerprint)
+        if refused is not None:
+            return _failed(refused)
         with self._lock:
             cached = self._fresh(adapter_id, folder, fingerprint)
             if cached is not None:
@@ -268,6 +277,15 @@ class AdapterStore:
             return folder, weights_fingerprint(folder)
         except OSError:
             return folder, None  # a file is missing: the load says which
+
+    def _refusal(self, adapter_id: str, folder: Path, fingerprint) -> Optional[AdapterError]:
+        """The refusal of this exact folder content, if it was refused before (a fresh copy)."""
+        with self._lock:
+            entry = self._refused.get(adapter_id)
+            if entry is None or fingerprint is None or entry[:2] != (folder, fingerprint):
+                return None
+            self._refused.move_to_end(adapter_id)
+            return AdapterError(entry[2].code, entry[2].message)
 
     def _fresh(self, adapter_id: str, folder: Path, fingerprint) -> Optional[LoraAdapter]:
         cached = self._host.get(adapter_id)
@@ -304,6 +322,11 @@ class AdapterStore:
             with self._lock:
                 if self._loading.get(adapter_id) is future:
                     del self._loading[adapter_id]
+                if isinstance(exc, AdapterError) and exc.code == "INVALID_ARG" and future.fingerprint is not None:
+                    self._refused[adapter_id] = (folder, future.fingerprint, exc)
+                    self._refused.move_to_end(adapter_id)
+                    while len(self._refused) > REFUSALS_KEPT:
+                        self._refused.popitem(last=False)
             if not isinstance(exc, AdapterError):
                 logger.exception("loading adapter %r failed", adapter_id)
             future.set_exception(exc)
@@ -313,6 +336,7 @@ class AdapterStore:
         with self._lock:
             self.load_seconds["disk_to_host"].append(time.perf_counter() - started)
             self.loads["disk"] += 1
+            self._refused.pop(adapter_id, None)
             if self._loading.get(adapter_id) is future:  # not evicted or superseded meanwhile
                 del self._loading[adapter_id]
                 self._host[adapter_id] = adapter

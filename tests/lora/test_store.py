@@ -365,3 +365,26 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream(tmp_path):
     assert torch.equal(store.a["lin"][slot, :3].cpu(), adapters[2].modules["lin"].a)
     torch.cuda.synchronize()
     assert len(store.drain_load_seconds()["host_to_gpu"]) == 3
+
+
+def test_a_refused_folder_is_not_read_again_until_it_changes(store, tmp_path, monkeypatch):
+    import manylora.lora.store as store_module
+
+    bad = _adapter(tmp_path, "bad")
+    (bad / "adapter_model.safetensors").write_bytes(b"garbage")
+    reads = []
+    load = store_module.load_adapter
+    monkeypatch.setattr(store_module, "load_adapter", lambda *a, **k: reads.append(a[0]) or load(*a, **k))
+    messages = set()
+    for _ in range(3):
+        with pytest.raises(AdapterError) as info:
+            store.get("bad")
+        assert info.value.code == "INVALID_ARG"
+        messages.add(info.value.message)
+    assert store.prefetch(["bad"])["bad"].exception(5).code == "INVALID_ARG"
+    assert reads == ["bad"] and len(messages) == 1, "refused once, answered from memory after"
+    time.sleep(0.01)
+    _adapter(tmp_path, "bad", value=4.0)  # fixed: new content, new fingerprint
+    assert store.get("bad").name == "bad" and reads == ["bad", "bad"]
+    slot = store.acquire([store.get("bad")])["bad"]
+    assert torch.all(store.a["lin"][slot, :2] == 4.0)
