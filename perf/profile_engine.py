@@ -60,7 +60,6 @@ def main(argv=None) -> int:
         for _ in range(3):
             engine.run(requests)
         sync()
-        timings = {}
         t0 = time.perf_counter()
         prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
         t1 = time.perf_counter()

@@ -249,7 +249,7 @@ def load_adapter(name: str, folder: Path, shapes: Mapping[str, tuple[int, int]],
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or infinity in ``t``: their float64 sum is finite exactly then (finite float32 values
-    cannot overflow a float64 sum). 10x faster than ``isfinite().all()`` on CPU, which matters
+    cannot overflow a float64 sum). Much faster than ``isfinite().all()`` on CPU torch, which matters
     with 168 tensors per adapter and 1,024 adapters preloaded per instance."""
     return math.isfinite(torch.sum(t, dtype=torch.float64).item())
 
