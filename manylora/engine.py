@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -122,8 +123,9 @@ class Engine:
         self.span_finder = bind_fast_decoding(self.model)
         if config.preload_adapters:
             names = None if config.preload_adapters == "all" else config.preload_adapters.split(",")
+            started = time.perf_counter()
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
-            logger.info("preloaded %d adapters", len(loaded))
+            logger.info("preloaded %d adapters in %.1f s", len(loaded), time.perf_counter() - started)
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
         self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
 

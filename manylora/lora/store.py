@@ -70,7 +70,10 @@ def slot_bytes(shapes: Mapping[str, tuple[int, int]], max_rank: int, dtype: torc
 
 
 def adapter_bytes(adapter: LoraAdapter) -> int:
-    """Host memory of an adapter's weights (at its own ranks, in its own dtype)."""
+    """Host memory of an adapter's weights: its packed slot-layout buffer once in the host tier,
+    else its modules at their own ranks and dtype."""
+    if adapter.packed is not None:
+        return adapter.packed.numel() * adapter.packed.element_size()
     return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in adapter.modules.values())
 
 
@@ -148,9 +151,21 @@ class AdapterStore:
         self.host_slots = host_slots
         self.device = device
         self.dtype = dtype
-        self.a = {n: torch.zeros(gpu_slots, max_rank, i, device=device, dtype=dtype) for n, (i, o) in shapes.items()}
-        self.b = {n: torch.zeros(gpu_slots, o, max_rank, device=device, dtype=dtype) for n, (i, o) in shapes.items()}
-        self.scales = {n: torch.zeros(gpu_slots, device=device, dtype=torch.float32) for n in shapes}
+        # One slab row per GPU slot holds every module's A [R, in] and B [out, R] back to back, in
+        # the same layout as an adapter's packed host buffer: a slot is filled by one copy.
+        # self.a / self.b are per-module strided views [slots, R, in] / [slots, out, R] into it.
+        self._offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for n, (i, o) in shapes.items():
+            self._offsets[n] = (offset, offset + max_rank * i)
+            offset += max_rank * (i + o)
+        self.slot_numel = offset
+        self._slab = torch.zeros(gpu_slots, self.slot_numel, device=device, dtype=dtype)
+        self.a = {n: self._slab[:, oa : oa + max_rank * shapes[n][0]].unflatten(1, (max_rank, shapes[n][0])) for n, (oa, _) in self._offsets.items()}
+        self.b = {n: self._slab[:, ob : ob + max_rank * shapes[n][1]].unflatten(1, (shapes[n][1], max_rank)) for n, (_, ob) in self._offsets.items()}
+        # scales [modules, slots]: each module's row is contiguous for the kernels
+        self._scale_table = torch.zeros(len(shapes), gpu_slots, device=device, dtype=torch.float32)
+        self.scales = {n: self._scale_table[k] for k, n in enumerate(shapes)}
         self.ranks = torch.zeros(gpu_slots, device=device, dtype=torch.int32)
         self.pin_memory = device.type == "cuda"
         self._lock = threading.Lock()
@@ -177,7 +192,7 @@ class AdapterStore:
 
     @property
     def gpu_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+        return self._slab.numel() * self._slab.element_size()
 
     @property
     def host_bytes(self) -> int:
@@ -346,26 +361,34 @@ class AdapterStore:
         future.set_result(adapter)
 
     def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
-        """The adapter in the serving dtype, packed into one (page-locked on CUDA) buffer."""
-        modules = sorted(adapter.modules.items())
-        total = sum(m.a.numel() + m.b.numel() for _, m in modules)
-        buffer = self._host_buffer(total)
-        packed, offset = {}, 0
-        for path, module in modules:
-            parts = []
-            for t in (module.a, module.b):
-                view = buffer[offset : offset + t.numel()].view(t.shape)
-                view.copy_(t)  # float32 -> serving dtype, rounded as a GPU copy_ would round it
-                parts.append(view)
-                offset += t.numel()
-            packed[path] = LoraModule(parts[0], parts[1], module.scale)
+        """The adapter in the serving dtype, packed in GPU-slot layout into one (page-locked on
+        CUDA) buffer, zero beyond each module's rank and for modules it leaves out."""
+        return self._pack(adapter, self._host_buffer(self.slot_numel))
+
+    def _pack(self, adapter: LoraAdapter, buffer: torch.Tensor) -> LoraAdapter:
+        buffer.zero_()
+        packed, scales = {}, [0.0] * len(self.shapes)
+        for k, (name, (in_features, out_features)) in enumerate(self.shapes.items()):
+            module = adapter.modules.get(name)
+            if module is None:
+                continue
+            oa, ob = self._offsets[name]
+            r = module.rank
+            a = buffer[oa : oa + self.max_rank * in_features].view(self.max_rank, in_features)[:r]
+            b = buffer[ob : ob + self.max_rank * out_features].view(out_features, self.max_rank)[:, :r]
+            a.copy_(module.a)  # float32 -> serving dtype, rounded as a GPU copy_ would round it
+            b.copy_(module.b)
+            packed[name] = LoraModule(a, b, module.scale)
+            scales[k] = module.scale
         if self.dtype != torch.float32 and not all_finite(buffer):
             bad = next(p for p, m in packed.items() if not (all_finite(m.a) and all_finite(m.b)))
             raise AdapterError(
                 "INVALID_ARG",
                 f"adapter {adapter.name!r} cannot be served: {bad} holds weights beyond the {self.dtype} range",
             )
-        return dataclasses.replace(adapter, modules=packed)
+        return dataclasses.replace(
+            adapter, modules=packed, packed=buffer, scale_vector=torch.tensor(scales, dtype=torch.float32)
+        )
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.pin_memory:
@@ -477,20 +500,11 @@ class AdapterStore:
                 self._copy_timings.append((start, end))
 
     def _write_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        for name in self.shapes:
-            module = adapter.modules.get(name)
-            a, b = self.a[name][slot], self.b[name][slot]
-            if module is None:
-                a.zero_()
-                b.zero_()
-                self.scales[name][slot] = 0.0
-                continue
-            r = module.rank
-            a[:r].copy_(module.a, non_blocking=True)
-            a[r:].zero_()
-            b[:, :r].copy_(module.b, non_blocking=True)
-            b[:, r:].zero_()
-            self.scales[name][slot] = module.scale
+        packed = adapter
+        if packed.packed is None:  # not from the host tier (tests): pack it now
+            packed = self._pack(adapter, torch.empty(self.slot_numel, dtype=self.dtype))
+        self._slab[slot].copy_(packed.packed, non_blocking=True)
+        self._scale_table[:, slot].copy_(packed.scale_vector, non_blocking=True)
         self.ranks[slot] = adapter.rank
         self._slot_owner[slot] = adapter
         self.loads["gpu"] += 1
