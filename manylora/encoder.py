@@ -177,24 +177,23 @@ def _position_scores(x: torch.Tensor, table: torch.Tensor, factors, batch: int, 
 
     No adapter on the table's projection: one GEMM per head over all B*L tokens. With
     adapters (``factors`` from ``LoraBatch.position_factors``): every row's scores are
-    ``[x, x B_b] · [table, s A_b windowᵀ]`` per head, one batched GEMM with K = d + R.
+    ``x · tableᵀ + (x B_b)(s A_b windowᵀ)`` per head; a second, rank-R batched GEMM adds the
+    low-rank term onto the base scores in place.
     """
     window, hidden = table.shape
     dh = hidden // heads
     th = table.view(window, heads, dh).permute(1, 2, 0)  # [h, d, W]
-    if factors is None:
-        xh = x.view(batch * length, heads, dh).transpose(0, 1)  # [h, B*L, d]
-        return torch.bmm(xh, th).view(heads, batch, length, window).transpose(0, 1)
-    b_rows, v_rows = factors  # [B, H, R], [B, R, W]
-    rank = b_rows.shape[-1]
-    xb = x.view(batch, length, heads, dh).transpose(1, 2)  # [B, h, L, d]
-    u = torch.matmul(xb, b_rows.view(batch, heads, dh, rank))  # [B, h, L, R]
-    lhs = torch.cat([xb, u], dim=-1)  # [B, h, L, d + R]
-    rhs = torch.cat(
-        [th.unsqueeze(0).expand(batch, heads, dh, window), v_rows.unsqueeze(1).expand(batch, heads, rank, window)],
-        dim=2,
-    )  # [B, h, d + R, W]
-    return torch.matmul(lhs, rhs)
+    xh = x.view(batch * length, heads, dh).transpose(0, 1)  # [h, B*L, d]
+    scores = torch.bmm(xh, th).view(heads * batch, length, window)  # the base scores, [h*B, L, W]
+    if factors is not None:
+        b_rows, v_rows = factors  # [B, H, R], [B, R, W]
+        rank = b_rows.shape[-1]
+        xb = x.view(batch, length, heads, dh).transpose(1, 2)  # [B, h, L, d]
+        u = torch.matmul(xb, b_rows.view(batch, heads, dh, rank))  # [B, h, L, R]
+        u = u.transpose(0, 1).reshape(heads * batch, length, rank)
+        v = v_rows.unsqueeze(0).expand(heads, batch, rank, window).reshape(heads * batch, rank, window)
+        scores.baddbmm_(u, v)  # + (x B_b)(s A_b windowᵀ), accumulated by the GEMM: no concatenated operands
+    return scores.view(heads, batch, length, window).transpose(0, 1)
 
 
 class EncoderLayer(nn.Module):

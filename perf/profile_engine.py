@@ -114,6 +114,38 @@ def main(argv=None) -> int:
                 f"{sum(bool(d) for d in diffs)}/{len(diffs)} {[d for d in diffs if d][:3]}"
             )
 
+        if device.startswith("cuda"):  # a host sync inside forward serialises launch and GPU time
+            import traceback
+            import warnings
+
+            syncs: dict[str, int] = {}
+
+            def record(*_args, **_kwargs):
+                where = "".join(traceback.format_stack(limit=6)[:-2])
+                syncs[where] = syncs.get(where, 0) + 1
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    engine.forward(list(chunk))
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            print(f"{tag} host syncs in forward: {sum(syncs.values())}")
+            for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:6]:
+                print(f"  x{n}\n{where}")
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(3):
+            engine.forward(list(chunk))
+        sync()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+        print(f"{tag} forward x3, host functions by own time:")
+        print("\n".join(s.getvalue().splitlines()[:40]))
+
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
