@@ -96,6 +96,16 @@ def perf_analyzer_env() -> dict:
     return env
 
 
+def server_counts(url: str) -> tuple[int, int]:
+    """(requests, model executions) the server has run for gliner2 so far: their deltas over a
+    measurement give the mean dynamic batch size."""
+    import tritonclient.grpc as grpcclient
+
+    stats = grpcclient.InferenceServerClient(url).get_inference_statistics("gliner2", as_json=True)
+    model = stats["model_stats"][0]
+    return int(model.get("inference_count", 0)), int(model.get("execution_count", 0))
+
+
 def run_perf_analyzer(
     url: str,
     data: Path,
@@ -215,6 +225,7 @@ def main(argv=None) -> int:
             )
             loads = [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]
             for kind, value in loads:
+                before = server_counts(url)
                 result = run_perf_analyzer(
                     url,
                     data,
@@ -223,6 +234,9 @@ def main(argv=None) -> int:
                     rate=value if kind == "rate" else None,
                     interval_ms=args.interval_ms,
                 )
+                after = server_counts(url)
+                executions = after[1] - before[1]
+                result["mean_batch"] = round((after[0] - before[0]) / executions, 1) if executions else None
                 row = {
                     "mode": mode,
                     kind: value,
@@ -239,7 +253,7 @@ def main(argv=None) -> int:
                     f.write(json.dumps(row) + "\n")
                 print(
                     f"{mode:5s} {kind} {value:>7}: {result['req_per_s']:9.1f} req/s  p50 {result['p50_ms']:7.1f}"
-                    f"  p95 {result['p95_ms']:7.1f}  p99 {result['p99_ms']:7.1f} ms",
+                    f"  p95 {result['p95_ms']:7.1f}  p99 {result['p99_ms']:7.1f} ms  mean batch {result['mean_batch']}",
                     flush=True,
                 )
     finally:

@@ -253,6 +253,7 @@ def test_server_benchmark_runs_perf_analyzer_against_the_server(server, demo_ada
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["base", "lora"]
     assert all(r["req_per_s"] > 0 and r["p50_ms"] <= r["p99_ms"] for r in rows)
+    assert all(r["mean_batch"] is not None and 1 <= r["mean_batch"] <= 2 for r in rows)  # concurrency 2
 
 
 def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters):
