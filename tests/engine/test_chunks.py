@@ -1,5 +1,6 @@
 """How the engine cuts a dynamic batch: token budget, length, and one failing request alone."""
 
+import dataclasses
 import json
 
 from manylora.engine import INTERNAL, Request, RequestError
@@ -10,10 +11,20 @@ SCHEMA = json.dumps({"entities": ["person", "location"]})
 def test_a_long_text_gets_its_own_chunk(tiny_engine):
     short = [tiny_engine.prepare(i, Request(f"Ada Lovelace met Bob number {i} in Paris.", SCHEMA)) for i in range(6)]
     long = tiny_engine.prepare(6, Request(" ".join(["Ada went to Paris."] * 60), SCHEMA))
-    chunks = tiny_engine._budget_chunks(short + [long])
-    assert [len(c) for c in chunks] == [6, 1]
-    assert chunks[1][0] is long
-    assert all(2 * max(c[0].num_tokens, 64) >= -(-c[-1].num_tokens // 16) * 16 for c in chunks)
+    # few rows: padding them all to the long one costs less than another chunk
+    assert [len(c) for c in tiny_engine._budget_chunks(short + [long])] == [7]
+    many = short * 43  # 258 short rows: padding them to the long one would cost more than a chunk
+    chunks = tiny_engine._budget_chunks(many + [long])
+    assert [len(c) for c in chunks] == [258, 1] and chunks[1][0] is long
+
+
+def test_chunks_stay_within_the_token_budget(tiny_engine, monkeypatch):
+    rows = [tiny_engine.prepare(i, Request(" ".join(["Ada went to Paris."] * (1 + i % 9)), SCHEMA)) for i in range(50)]
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=640))
+    chunks = tiny_engine._budget_chunks(rows)
+    assert sorted(p.index for c in chunks for p in c) == list(range(50))  # every row once
+    for chunk in chunks:
+        assert len(chunk) * (-(-max(p.num_tokens for p in chunk) // 16) * 16) <= 640
 
 
 def test_a_failing_prepare_fails_only_its_request(tiny_engine, monkeypatch):
