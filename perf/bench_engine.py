@@ -448,7 +448,9 @@ def main(argv=None) -> int:
             build_demo_adapter(
                 args.checkpoint, template, DemoAdapter("template", 16, 32, ["encoder", "all_task_heads"]), seed=0
             )
-        clone_random_adapters(template, args.adapters, args.make_adapters, seed=1)
+        made = sum(1 for p in args.adapters.iterdir() if p.name.startswith("adapter-"))
+        if made < args.make_adapters:  # a second stage of the same session reuses them
+            clone_random_adapters(template, args.adapters, args.make_adapters, seed=1)
         if not args.modes:
             return 0
     names = sorted(p.name for p in args.adapters.iterdir() if p.name.startswith("adapter-")) if args.adapters else []
