@@ -21,6 +21,7 @@ modules are views of its bytes, converted by the store in one op for the whole a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -107,7 +108,7 @@ class LoraAdapter:
     weights: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     offsets: Optional[Mapping[str, tuple[int, int]]] = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property  # read per row of every batch: computed once
     def rank(self) -> int:
         return max(m.rank for m in self.modules.values())
 
