@@ -498,6 +498,9 @@ def main(argv=None) -> int:
         )
         if adapters:
             row["bytes_per_adapter"] = cost.bytes_per_adapter(adapters, dtype)
+        if device.startswith("cuda"):  # peak since the previous row: this mode's weights, slots and activations
+            row["gpu_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+            torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
