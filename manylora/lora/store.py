@@ -161,8 +161,14 @@ class AdapterStore:
             offset += max_rank * (i + o)
         self.slot_numel = offset
         self._slab = torch.zeros(gpu_slots, self.slot_numel, device=device, dtype=dtype)
-        self.a = {n: self._slab[:, oa : oa + max_rank * shapes[n][0]].unflatten(1, (max_rank, shapes[n][0])) for n, (oa, _) in self._offsets.items()}
-        self.b = {n: self._slab[:, ob : ob + max_rank * shapes[n][1]].unflatten(1, (shapes[n][1], max_rank)) for n, (_, ob) in self._offsets.items()}
+        self.a = {
+            n: self._slab[:, oa : oa + max_rank * shapes[n][0]].unflatten(1, (max_rank, shapes[n][0]))
+            for n, (oa, _) in self._offsets.items()
+        }
+        self.b = {
+            n: self._slab[:, ob : ob + max_rank * shapes[n][1]].unflatten(1, (shapes[n][1], max_rank))
+            for n, (_, ob) in self._offsets.items()
+        }
         # scales [modules, slots]: each module's row is contiguous for the kernels
         self._scale_table = torch.zeros(len(shapes), gpu_slots, device=device, dtype=torch.float32)
         self.scales = {n: self._scale_table[k] for k, n in enumerate(shapes)}
@@ -363,9 +369,6 @@ class AdapterStore:
     def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
         """The adapter in the serving dtype, packed in GPU-slot layout into one (page-locked on
         CUDA) buffer, zero beyond each module's rank and for modules it leaves out."""
-        return self._pack(adapter, self._host_buffer(self.slot_numel))
-
-    def _pack(self, adapter: LoraAdapter, buffer: torch.Tensor) -> LoraAdapter:
         # Whole-adapter work (per-module torch ops cost ~35 ms per adapter, for a fleet of 1,024 at
         # start-up): at most one conversion to the serving dtype, rounded as a copy_ of the float32
         # weights would round them, then numpy slice copies of the raw bits (numpy has no bfloat16).
@@ -382,6 +385,7 @@ class AdapterStore:
                     "INVALID_ARG",
                     f"adapter {adapter.name!r} cannot be served: {bad} holds weights beyond the {self.dtype} range",
                 )
+        buffer = self._host_buffer(self.slot_numel)
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[buffer.element_size()]
         src, dst = source.view(bits).numpy(), buffer.view(bits).numpy()
         base, r_max = buffer.storage_offset(), self.max_rank
@@ -523,11 +527,9 @@ class AdapterStore:
                 self._copy_timings.append((start, end))
 
     def _write_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        packed = adapter
-        if packed.packed is None:  # not from the host tier (tests): pack it now
-            packed = self._pack(adapter, torch.empty(self.slot_numel, dtype=self.dtype))
-        self._slab[slot].copy_(packed.packed, non_blocking=True)
-        self._scale_table[:, slot].copy_(packed.scale_vector, non_blocking=True)
+        # every adapter reaches the GPU from the host tier, packed by _to_host
+        self._slab[slot].copy_(adapter.packed, non_blocking=True)
+        self._scale_table[:, slot].copy_(adapter.scale_vector, non_blocking=True)
         self.ranks[slot] = adapter.rank
         self._slot_owner[slot] = adapter
         self.loads["gpu"] += 1
