@@ -139,22 +139,27 @@ class References:
 
     def expected(self, request: protocol.Request, folder: Path | None = None):
         """What the server must answer; ``folder`` overrides the adapter's folder."""
-        from gliner2.inference.schema import Schema
-
         if folder is None and request.adapter:
             folder = self.folders[request.adapter]
         key = (request, str(folder or ""))
         if key not in self._cache:
             model = self.peft_reference(folder) if folder else self.reference_model
-            (result,) = model.batch_extract(
-                [request.text],
-                Schema.from_json(request.schema),
-                threshold=request.threshold,
-                include_confidence=request.include_confidence,
-                include_spans=request.include_spans,
-            )
-            self._cache[key] = json.loads(json.dumps(result))  # what survives the wire
+            self._cache[key] = reference_answer(model, request)
         return self._cache[key]
+
+
+def reference_answer(model, request: protocol.Request):
+    """What GLiNER2 (or its PEFT model) answers to ``request``, as it survives the wire (JSON)."""
+    from gliner2.inference.schema import Schema
+
+    (result,) = model.batch_extract(
+        [request.text],
+        Schema.from_json(request.schema),
+        threshold=request.threshold,
+        include_confidence=request.include_confidence,
+        include_spans=request.include_spans,
+    )
+    return json.loads(json.dumps(result))  # tuples become lists
 
 
 def stub_pids(server_pid: int, instance: str) -> list[int]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from fault_tools import infer_inputs, reference_answer
 from manylora.client import protocol
 from tritonclient.utils import InferenceServerException
 
@@ -62,29 +63,6 @@ def server(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapte
     return triton_server_factory(repo, extra_args=["--model-control-mode=explicit", "--load-model=gliner2"])
 
 
-def _inputs(module, request: protocol.Request):
-    inputs = []
-    for name, array in request.to_arrays().items():
-        spec = protocol.SPECS[name]
-        tensor = module.InferInput(name, list(array.shape), spec.triton_dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
-def _expected(reference_model, request: protocol.Request):
-    from gliner2.inference.schema import Schema
-
-    (result,) = reference_model.batch_extract(
-        [request.text],
-        Schema.from_json(request.schema),
-        threshold=request.threshold,
-        include_confidence=request.include_confidence,
-        include_spans=request.include_spans,
-    )
-    return json.loads(json.dumps(result))  # what survives the wire: tuples become lists
-
-
 def _requests(n=6):
     schemas = demo_schemas()
     return [
@@ -98,9 +76,9 @@ def test_answers_equal_gliner2(server, reference_model, module):
     url = server.grpc_url if module is grpcclient else server.http_url
     client = module.InferenceServerClient(url)
     for request in _requests(4):
-        response = client.infer("gliner2", _inputs(module, request))
+        response = client.infer("gliner2", infer_inputs(module, request.to_arrays()))
         got = protocol.parse_result(response.as_numpy(protocol.RESULT))
-        assert not result_differences(got, _expected(reference_model, request))
+        assert not result_differences(got, reference_answer(reference_model, request))
 
 
 def test_dynamic_batch_with_a_bad_request_answers_the_others(server, reference_model):
@@ -119,7 +97,7 @@ def test_dynamic_batch_with_a_bad_request_answers_the_others(server, reference_m
         return lambda result, error: answers.__setitem__(index, error if error else result)
 
     for i, request in enumerate(requests):
-        client.async_infer("gliner2", _inputs(grpcclient, request), callback(i))
+        client.async_infer("gliner2", infer_inputs(grpcclient, request.to_arrays()), callback(i))
     import time
 
     deadline = time.time() + 60
@@ -135,7 +113,7 @@ def test_dynamic_batch_with_a_bad_request_answers_the_others(server, reference_m
         else:
             assert not isinstance(answer, Exception), answer
             got = protocol.parse_result(answer.as_numpy(protocol.RESULT))
-            assert not result_differences(got, _expected(reference_model, request))
+            assert not result_differences(got, reference_answer(reference_model, request))
     after = client.get_inference_statistics("gliner2").model_stats[0]
     executions = after.execution_count - before.execution_count
     inferences = after.inference_count - before.inference_count
@@ -165,7 +143,7 @@ def test_missing_input_and_wrong_shape_are_invalid_arg(server):
         client.infer("gliner2", [text])  # SCHEMA missing: Triton itself rejects it
     assert "SCHEMA" in info.value.message()
     request = protocol.Request("Not UTF-8 below.", json.dumps({"entities": ["x"]}))
-    inputs = _inputs(httpclient, request)
+    inputs = infer_inputs(httpclient, request.to_arrays())
     inputs[0].set_data_from_numpy(np.array([[b"\xff\xfe bad bytes"]], dtype=np.object_))
     with pytest.raises(InferenceServerException) as info:
         client.infer("gliner2", inputs)
