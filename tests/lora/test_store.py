@@ -31,13 +31,17 @@ def _adapter(root, name, value=1.0, rank=2):
     return folder
 
 
+def _store(root, gpu_slots: int, host_slots: int, **options) -> AdapterStore:
+    """A store over SHAPES at rank 4, on the CPU in float32 unless ``options`` say otherwise."""
+    options = {"max_rank": 4, "device": torch.device("cpu"), "dtype": torch.float32, **options}
+    return AdapterStore(root, SHAPES, gpu_slots=gpu_slots, host_slots=host_slots, **options)
+
+
 @pytest.fixture
 def store(tmp_path):
     for i in range(6):
         _adapter(tmp_path, f"a{i}", value=float(i + 1))
-    return AdapterStore(
-        tmp_path, SHAPES, max_rank=4, gpu_slots=2, host_slots=3, device=torch.device("cpu"), dtype=torch.float32
-    )
+    return _store(tmp_path, 2, 3)
 
 
 def test_slots_hold_the_adapter_weights_zero_padded_to_max_rank(store):
@@ -170,9 +174,7 @@ def test_host_tier_in_serving_dtype_fills_slots_exactly_as_before(tmp_path, dtyp
 
 def test_weights_beyond_the_16_bit_range_are_refused(tmp_path):
     _adapter(tmp_path, "huge", value=1e6)
-    store = AdapterStore(
-        tmp_path, SHAPES, max_rank=4, gpu_slots=1, host_slots=1, device=torch.device("cpu"), dtype=torch.float16
-    )
+    store = _store(tmp_path, 1, 1, dtype=torch.float16)
     with pytest.raises(AdapterError, match="beyond the torch.float16 range") as info:
         store.get("huge")
     assert info.value.code == "INVALID_ARG" and store.resident()["host"] == []
@@ -180,9 +182,7 @@ def test_weights_beyond_the_16_bit_range_are_refused(tmp_path):
 
 def test_host_slots_below_gpu_slots_is_refused_with_the_memory_it_needs(tmp_path):
     with pytest.raises(ValueError, match=r"max_cpu_adapters \(2\) must be >= max_gpu_adapters \(3\).*GiB"):
-        AdapterStore(
-            tmp_path, SHAPES, max_rank=4, gpu_slots=3, host_slots=2, device=torch.device("cpu"), dtype=torch.float32
-        )
+        _store(tmp_path, 3, 2)
 
 
 # ---------------------------------------------------------------- pinning, preload and evict
@@ -283,16 +283,7 @@ def test_get_loads_a_queued_prefetch_itself_instead_of_queueing_behind_others(tm
     gates, started = gated
     for i in range(3):
         _adapter(tmp_path, f"a{i}", value=float(i + 1))
-    store = AdapterStore(
-        tmp_path,
-        SHAPES,
-        max_rank=4,
-        gpu_slots=1,
-        host_slots=3,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        load_workers=1,
-    )
+    store = _store(tmp_path, 1, 3, load_workers=1)
     gates["a0"] = threading.Event()
     futures = store.prefetch(["a0", "a1"])  # the only loader thread blocks on a0; a1 waits in the queue
     assert store.get("a1") is futures["a1"].result(), "the request loaded a1 itself"
@@ -309,16 +300,7 @@ def test_evicting_a_queued_load_cancels_it_and_get_still_serves(tmp_path, gated)
     gates, _ = gated
     for i in range(2):
         _adapter(tmp_path, f"a{i}")
-    store = AdapterStore(
-        tmp_path,
-        SHAPES,
-        max_rank=4,
-        gpu_slots=1,
-        host_slots=2,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        load_workers=1,
-    )
+    store = _store(tmp_path, 1, 2, load_workers=1)
     gates["a0"] = threading.Event()
     futures = store.prefetch(["a0", "a1"])
     assert store.evict(["a1"]) == ["a1"] and futures["a1"].cancelled()
@@ -349,9 +331,7 @@ def test_preload_beyond_the_host_tier_reports_what_it_skipped(store):
 def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream(tmp_path):
     for i in range(3):
         _random_adapter(tmp_path, f"r{i}", seed=i)
-    store = AdapterStore(
-        tmp_path, SHAPES, max_rank=4, gpu_slots=2, host_slots=3, device=torch.device("cuda"), dtype=torch.bfloat16
-    )
+    store = _store(tmp_path, 2, 3, device=torch.device("cuda"), dtype=torch.bfloat16)
     adapters = [store.get(f"r{i}") for i in range(3)]
     assert all(m.a.is_pinned() and m.b.is_pinned() for a in adapters for m in a.modules.values())
     assert store.stats()["pinned_host_memory"]
