@@ -46,7 +46,8 @@ UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 PAD_MULTIPLE = 16
 # what one more chunk costs, in padded tokens: its ~300 kernel launches and GLiNER2's per-batch
-# decoding (~20-30 ms of host time per chunk on the H200 host) against ~0.7 us of GPU time per token
+# decoding (~20-30 ms of host time per chunk) against ~0.7 us of GPU time per token, both read
+# off the H200 profiles in perf/h200-2026-11-29/session3/profile-lora.txt; an estimate, not tuned
 CHUNK_COST_TOKENS = 32768
 CHARS_PER_TOKEN_BOUND = 32  # a text this many characters per allowed token is refused untokenized
 

@@ -90,6 +90,8 @@ def test_a_file_changed_while_it_is_read_is_unavailable_not_wrong(tmp_path, monk
         ({"r": "2"}, None, "must be an integer"),
         ({"r": 2.0}, None, "must be an integer"),
         ({"lora_alpha": None}, None, "must be an integer / a number"),
+        ({"lora_alpha": 10**400}, None, "must be an integer / a number"),  # no float holds it
+        ({"alpha_pattern": {"q": 10**400}}, None, "alpha_pattern must map"),
         ({"rank_pattern": ["q"]}, None, "rank_pattern must map module names to numbers"),
         ({"rank_pattern": {"(": 2}}, None, "is not a valid pattern"),
         ({"alpha_pattern": {"q": "x"}}, None, "alpha_pattern must map"),
