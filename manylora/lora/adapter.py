@@ -117,27 +117,72 @@ class LoraAdapter:
         return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
 
 
-def resolve_adapter_dir(root: Path, adapter_id: str) -> Path:
-    """The folder of ``adapter_id`` under ``root``; NOT_FOUND / INVALID_ARG otherwise.
-
-    Ids are plain names (letters, digits, '.', '_', '-'; no path separators, no '..'),
-    and the resolved folder (symlinks followed) must stay inside the adapter root.
-    """
+def _check_id(adapter_id: str) -> None:
     if not ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
         shown = adapter_id if len(adapter_id) <= 80 else adapter_id[:80] + "..."
         raise AdapterError(
             "INVALID_ARG",
             f"invalid adapter id {shown!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit",
         )
+
+
+def _not_found(adapter_id: str) -> AdapterError:
+    return AdapterError("NOT_FOUND", f"unknown adapter {adapter_id!r}: no folder {adapter_id} in the adapter directory")
+
+
+def resolve_adapter_dir(root: Path, adapter_id: str) -> Path:
+    """The folder of ``adapter_id`` under ``root``; NOT_FOUND / INVALID_ARG otherwise.
+
+    Ids are plain names (letters, digits, '.', '_', '-'; no path separators, no '..'),
+    and the resolved folder (symlinks followed) must stay inside the adapter root.
+    """
+    _check_id(adapter_id)
     root = root.resolve()
     folder = (root / adapter_id).resolve()
     if folder.parent != root and root not in folder.parents:
         raise AdapterError("INVALID_ARG", f"adapter {adapter_id!r} resolves outside the adapter directory")
     if not folder.is_dir():
-        raise AdapterError(
-            "NOT_FOUND", f"unknown adapter {adapter_id!r}: no folder {adapter_id} in the adapter directory"
-        )
+        raise _not_found(adapter_id)
     return folder
+
+
+class AdapterLocator:
+    """``(folder, weights_fingerprint(folder))`` of an adapter id, checked on every request.
+
+    The same answers as ``resolve_adapter_dir`` + ``weights_fingerprint`` in three ``stat``
+    calls: an id's paths are built once, and a folder that is no symlink is a direct child of
+    the root by the id's syntax, so only symlinked ones take the full resolve (staying inside
+    the root). The fingerprint is None when a file is missing (the load says which).
+    """
+
+    MAX_IDS = 1 << 16  # ids whose paths are kept (each a few hundred bytes)
+
+    def __init__(self, root: Path):
+        self.root = Path(os.path.abspath(root))
+        self._paths: dict[str, tuple[str, Path, str, str]] = {}
+
+    def __call__(self, adapter_id: str) -> tuple[Path, Optional[tuple]]:
+        paths = self._paths.get(adapter_id)
+        if paths is None:
+            _check_id(adapter_id)
+            base = os.path.join(self.root, adapter_id)
+            paths = (base, Path(base), os.path.join(base, CONFIG_FILE), os.path.join(base, WEIGHTS_FILE))
+            if len(self._paths) < self.MAX_IDS:
+                self._paths[adapter_id] = paths
+        base, folder, config, weights = paths
+        try:
+            mode = os.lstat(base).st_mode
+        except OSError:
+            raise _not_found(adapter_id) from None
+        if stat.S_ISLNK(mode):
+            folder = resolve_adapter_dir(self.root, adapter_id)
+            config, weights = str(folder / CONFIG_FILE), str(folder / WEIGHTS_FILE)
+        elif not stat.S_ISDIR(mode):
+            raise _not_found(adapter_id)
+        try:
+            return folder, (_file_key(os.stat(config)), _file_key(os.stat(weights)))
+        except OSError:
+            return folder, None
 
 
 def _file_key(status: os.stat_result) -> tuple:

@@ -49,12 +49,11 @@ import torch
 
 from manylora.lora.adapter import (
     AdapterError,
+    AdapterLocator,
     LoraAdapter,
     LoraModule,
     all_finite,
     load_adapter,
-    resolve_adapter_dir,
-    weights_fingerprint,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,6 +144,7 @@ class AdapterStore:
                 _gib(available),
             )
         self.root = None if root is None else Path(root)
+        self._locator = None if root is None else AdapterLocator(self.root)
         self.shapes = dict(shapes)
         self.max_rank = max_rank
         self.gpu_slots = gpu_slots
@@ -293,11 +293,7 @@ class AdapterStore:
     def _locate(self, adapter_id: str) -> tuple[Path, Optional[tuple]]:
         if self.root is None:
             raise AdapterError("NOT_FOUND", f"unknown adapter {adapter_id!r}: this model has no adapter directory")
-        folder = resolve_adapter_dir(self.root, adapter_id)
-        try:
-            return folder, weights_fingerprint(folder)
-        except OSError:
-            return folder, None  # a file is missing: the load says which
+        return self._locator(adapter_id)
 
     def _refusal(self, adapter_id: str, folder: Path, fingerprint) -> Optional[AdapterError]:
         """The refusal of this exact folder content, if it was refused before (a fresh copy)."""

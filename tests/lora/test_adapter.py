@@ -11,7 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from manylora.lora.adapter import AdapterError, load_adapter, resolve_adapter_dir
+from manylora.lora.adapter import (
+    AdapterError,
+    AdapterLocator,
+    load_adapter,
+    resolve_adapter_dir,
+    weights_fingerprint,
+)
 
 SHAPES = {"encoder.encoder.layer.0.attention.self.query_proj": (8, 8), "classifier.0": (8, 16)}
 
@@ -116,3 +122,53 @@ def test_adapter_ids_stay_inside_the_root(tmp_path):
     with pytest.raises(AdapterError) as info:
         resolve_adapter_dir(root, "good")
     assert info.value.code == "NOT_FOUND"
+
+
+def _outcome(call, *args):
+    try:
+        return call(*args)
+    except AdapterError as exc:
+        return exc.code, exc.message
+
+
+def test_locator_agrees_with_the_full_resolve(tmp_path):
+    """The per-request locator (three stats) gives what resolve_adapter_dir + weights_fingerprint
+    give, for plain folders, symlinks inside and outside the root, files, bad ids, and changes."""
+    root = tmp_path / "root"
+    _write(root / "good")
+    _write(tmp_path / "elsewhere" / "inside")
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", root / "escape")
+    os.symlink(root / "good", root / "alias")
+    (root / "plain-file").write_text("not a folder")
+    (root / "half").mkdir()
+    (root / "half" / "adapter_config.json").write_text("{}")
+    locate = AdapterLocator(root)
+
+    def full(adapter_id):
+        folder = resolve_adapter_dir(root, adapter_id)
+        try:
+            return folder, weights_fingerprint(folder)
+        except OSError:
+            return folder, None
+
+    def same(adapter_id):
+        expected, got = _outcome(full, adapter_id), _outcome(locate, adapter_id)
+        if isinstance(expected[1], str):  # an error: the same code and message
+            assert got == expected, adapter_id
+        else:  # the same folder (symlinks resolved only where there is one) and fingerprint
+            assert os.path.realpath(got[0]) == str(expected[0]) and got[1] == expected[1], adapter_id
+        return got
+
+    ids = ("good", "alias", "escape", "plain-file", "half", "missing", "../outside", "a/b", "..", ".hidden", "")
+    for _ in range(2):  # the second round reads the cached paths
+        for adapter_id in ids:
+            same(adapter_id)
+    assert same("alias")[0] == (root / "good").resolve(), "a symlinked adapter is its target folder"
+    before = same("good")[1]
+    _write(root / "good", config={"lora_alpha": 8})
+    assert same("good")[1] != before, "a changed config is a changed fingerprint"
+    shutil.rmtree(root / "good")
+    assert same("good")[0] == "NOT_FOUND" and same("alias")[0] == "NOT_FOUND"
+    os.symlink(tmp_path / "elsewhere" / "inside", root / "good")  # the folder becomes a symlink out of the root
+    assert same("good")[0] == "INVALID_ARG"
