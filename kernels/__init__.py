@@ -1,5 +1,6 @@
 """SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update;
-and DeBERTa's relative-position attention bias in one pass (relpos.py).
+DeBERTa's relative-position attention bias in one pass (relpos.py); and its position scores
+with every row's LoRA on the position projection (posscores.py).
 
 Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_sgmv_meta
-from .reference import TOLERANCES, relpos_bias_ref, sgmv_expand_ref, sgmv_shrink_ref
+from .reference import TOLERANCES, position_scores_ref, relpos_bias_ref, sgmv_expand_ref, sgmv_shrink_ref
 
 BACKENDS = ("triton", "torch")
 
@@ -33,6 +34,9 @@ __all__ = [
     "default_backend",
     "expand",
     "lora_apply",
+    "position_scores",
+    "position_scores_ref",
+    "position_scores_supported",
     "relpos_bias",
     "relpos_bias_ref",
     "sgmv_expand_ref",
@@ -127,3 +131,30 @@ def relpos_bias(
     from .relpos import relpos_bias as kernel
 
     return kernel(c2p, p2c, rel_index, key_bias, scale, out_dtype)
+
+
+def position_scores_supported(head_size: int) -> bool:
+    """Whether the triton position-score kernel takes this head size (a power of two >= 16)."""
+    return head_size >= 16 and head_size & (head_size - 1) == 0
+
+
+def position_scores(
+    x: torch.Tensor,  # [B*L, H]
+    table: torch.Tensor,  # [W, H]
+    batch: int,
+    length: int,
+    heads: int,
+    lora_b: torch.Tensor | None = None,  # [slots, H, R]
+    row_slots: torch.Tensor | None = None,  # int [B], -1 = no adapter
+    v: torch.Tensor | None = None,  # [G, R, W]
+    row_group: torch.Tensor | None = None,  # int [B]
+    backend: str = "triton",
+) -> torch.Tensor:
+    """out[b, h, i, w] = x[b, i, h] · table[w, h] + (x[b, i, h] · lora_b[s_b, h]) · v[g_b, :, w]
+    (the second term for rows with a slot s_b >= 0); [B, h, L, W]. See posscores.py."""
+    _check_backend(backend)
+    if backend == "torch":
+        return position_scores_ref(x, table, batch, length, heads, lora_b, row_slots, v, row_group).to(x.dtype)
+    from .posscores import position_scores as kernel
+
+    return kernel(x, table, batch, length, heads, lora_b, row_slots, v, row_group)

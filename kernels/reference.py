@@ -104,3 +104,29 @@ def relpos_bias_ref(
     if p2c is not None:  # p2c[b, h, j, rel(i, j)]: gather along rows j, then swap to [i, j]
         acc += torch.gather(p2c.float(), -1, index.t().expand(batch, heads, length, length)).transpose(-1, -2)
     return (acc * scale + key_bias.float().view(batch, 1, 1, length)).to(out_dtype)
+
+
+def position_scores_ref(
+    x: torch.Tensor,  # [B*L, H]
+    table: torch.Tensor,  # [W, H]
+    batch: int,
+    length: int,
+    heads: int,
+    lora_b: torch.Tensor | None = None,  # [slots, H, R]
+    row_slots: torch.Tensor | None = None,  # int [B], -1 = no adapter
+    v: torch.Tensor | None = None,  # [G, R, W]
+    row_group: torch.Tensor | None = None,  # int [B]
+) -> torch.Tensor:
+    """DeBERTa's position scores with per-row LoRA, in float32 (see posscores.py):
+    out[b, h, i, w] = x[b, i, h] · table[w, h] + (x[b, i, h] · B[s_b, h]) · V[g_b, :, w]
+    for rows with a slot s_b >= 0, x[b, i, h] being the head-h features of token i."""
+    window, hidden = table.shape
+    head = hidden // heads
+    xh = x.float().view(batch, length, heads, head)
+    out = torch.einsum("blhd,whd->bhlw", xh, table.float().view(window, heads, head))
+    if lora_b is not None:
+        for b, (slot, group) in enumerate(zip(row_slots.tolist(), row_group.tolist())):
+            if slot >= 0:
+                u = torch.einsum("lhd,hdr->hlr", xh[b], lora_b[slot].float().view(heads, head, -1))
+                out[b] += u @ v[group].float()
+    return out

@@ -37,7 +37,7 @@ from torch import nn
 from manylora import kernels
 
 if TYPE_CHECKING:  # pragma: no cover
-    from manylora.lora.batch import LoraBatch
+    from manylora.lora.batch import LoraBatch, PositionLora
 
 
 class AdapterLinear(nn.Module):
@@ -172,21 +172,34 @@ def _relative_index(length: int, buckets: int, max_position: int, device: str):
     return lo, hi, rel_index.to(device=device, dtype=torch.int32)
 
 
-def _position_scores(x: torch.Tensor, table: torch.Tensor, factors, batch: int, length: int, heads: int):
-    """x [B*L, H] against the position table [W, H] per head: [B, h, L, W] (a strided view).
+def _position_scores(
+    x: torch.Tensor,
+    table: torch.Tensor,
+    lora: Optional["PositionLora"],
+    batch: int,
+    length: int,
+    heads: int,
+    backend: str,
+):
+    """x [B*L, H] against the position table [W, H] per head: [B, h, L, W] (maybe a strided view).
 
     No adapter on the table's projection: one GEMM per head over all B*L tokens. With
-    adapters (``factors`` from ``LoraBatch.position_factors``): every row's scores are
-    ``x · tableᵀ + (x B_b)(s A_b windowᵀ)`` per head; a second, rank-R batched GEMM adds the
-    low-rank term onto the base scores in place.
+    adapters (``lora`` from ``LoraBatch.position_factors``) every row's scores are
+    ``x · tableᵀ + (x B_b)(s A_b windowᵀ)`` per head: on the triton backend one kernel computes
+    both and writes the scores once (kernels/posscores.py); eagerly, a second, rank-R batched
+    GEMM adds the low-rank term onto the base scores in place.
     """
     window, hidden = table.shape
     dh = hidden // heads
+    if lora is not None and backend == "triton" and kernels.position_scores_supported(dh):
+        return kernels.position_scores(
+            x, table, batch, length, heads, lora.lora_b, lora.row_slots, lora.v, lora.row_group, backend=backend
+        )
     th = table.view(window, heads, dh).permute(1, 2, 0)  # [h, d, W]
     xh = x.view(batch * length, heads, dh).transpose(0, 1)  # [h, B*L, d]
     scores = torch.bmm(xh, th).view(heads * batch, length, window)  # the base scores, [h*B, L, W]
-    if factors is not None:
-        b_rows, v_rows = factors  # [B, H, R], [B, R, W]
+    if lora is not None:
+        b_rows, v_rows = lora.per_row()  # [B, H, R], [B, R, W]
         rank = b_rows.shape[-1]
         xb = x.view(batch, length, heads, dh).transpose(1, 2)  # [B, h, L, d]
         u = torch.matmul(xb, b_rows.view(batch, heads, dh, rank))  # [B, h, L, R]
@@ -248,10 +261,10 @@ class EncoderLayer(nn.Module):
         c2p = p2c = None
         if g.c2p:  # queries against the table through key_proj (and each row's key_proj LoRA)
             factors = None if lora is None else lora.position_factors(self.key.name, window)
-            c2p = _position_scores(q_flat, pos_k, factors, batch, length, heads)
+            c2p = _position_scores(q_flat, pos_k, factors, batch, length, heads, backend)
         if g.p2c:  # keys against the table through query_proj (and each row's query_proj LoRA)
             factors = None if lora is None else lora.position_factors(self.query.name, window)
-            p2c = _position_scores(k_flat, pos_q, factors, batch, length, heads)
+            p2c = _position_scores(k_flat, pos_q, factors, batch, length, heads, backend)
         if c2p is None and p2c is None:
             bias = key_bias.view(batch, 1, 1, length).to(x.dtype)
         else:

@@ -423,6 +423,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="start every case with empty adapter caches (default: preload the pool, steady state)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat base and manylora this many times, alternating (hotswap and peft-mixed run in round 0); "
+        "ratios are taken within a round, and the summary gives their median over rounds",
+    )
     p.add_argument("--words", type=int, nargs=2, default=[60, 120])
     p.add_argument("--schema", choices=["entities", "mixed"], default="entities")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run in seconds (harness check)")
@@ -512,71 +519,93 @@ def main(argv=None) -> int:
             flush=True,
         )
 
-    if "base" in args.modes:
-        emit(
-            {
-                "mode": "base",
-                **run_engine_mode(engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device),
-            }
-        )
     peft_mixed = None
-    for k in args.adapters_in_flight:
-        pool = names[:k]
-        if len(pool) < k:
-            print(f"skipping {k} adapters in flight: only {len(names)} adapters", file=sys.stderr)
-            continue
-        for dist in args.distributions:
-            chosen = pick_adapters(pool, n_requests, dist, seed=k)
-            if "manylora" in args.modes:
-                engine.store.clear()
-                if not args.cold:  # steady state: the pool is resident as far as the tiers allow
-                    adapters = [engine.store.get(name) for name in pool]
-                    for i in range(0, len(adapters), args.gpu_slots):
-                        engine.store.acquire(adapters[i : i + args.gpu_slots])
-                r = run_engine_mode(engine, texts, schema, chosen, args.batch, args.warmup, device)
-                emit(
-                    {
-                        "mode": "manylora",
-                        "adapters_in_flight": k,
-                        "distribution": dist,
-                        **r,
-                        "loads": dict(engine.store.loads),
-                        "caches": "cold" if args.cold else "preloaded",
-                    },
-                    chosen,
-                )
-            if "hotswap" in args.modes and dist == "uniform" and (args.hotswap_at is None or k in args.hotswap_at):
-                server = HotSwapServer(args.checkpoint, args.adapters, 25, device, dtype)
-                r = run_hotswap_mode(server, texts, schema, chosen, args.hotswap_seconds, device)
-                emit({"mode": "hotswap", "adapters_in_flight": k, "distribution": dist, **r}, chosen)
-                del server
-            if "peft-mixed" in args.modes and k > args.peft_mixed_max:
-                print(f"skipping peft-mixed at {k} adapters in flight: above --peft-mixed-max", file=sys.stderr)
-            elif "peft-mixed" in args.modes:
-                if peft_mixed is None:  # one PeftModel for every pool: the pools are prefixes of names
-                    fits = [n for n in args.adapters_in_flight if n <= min(args.peft_mixed_max, len(names))]
-                    peft_mixed = PeftMixedServer(args.checkpoint, args.adapters, names[: max(fits)], device, dtype)
-                r = run_peft_mixed_mode(peft_mixed, texts, schema, chosen, args.batch, args.warmup, device)
-                emit({"mode": "peft-mixed", "adapters_in_flight": k, "distribution": dist, **r}, chosen)
-
-    base = next((r for r in rows if r["mode"] == "base"), None)
+    for round_ in range(args.rounds):
+        context["round"] = round_
+        first = round_ == 0
+        if "base" in args.modes:
+            emit(
+                {
+                    "mode": "base",
+                    **run_engine_mode(engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device),
+                }
+            )
+        for k in args.adapters_in_flight:
+            pool = names[:k]
+            if len(pool) < k:
+                print(f"skipping {k} adapters in flight: only {len(names)} adapters", file=sys.stderr)
+                continue
+            for dist in args.distributions:
+                chosen = pick_adapters(pool, n_requests, dist, seed=k)
+                if "manylora" in args.modes:
+                    engine.store.clear()
+                    if not args.cold:  # steady state: the pool is resident as far as the tiers allow
+                        adapters = [engine.store.get(name) for name in pool]
+                        for i in range(0, len(adapters), args.gpu_slots):
+                            engine.store.acquire(adapters[i : i + args.gpu_slots])
+                    r = run_engine_mode(engine, texts, schema, chosen, args.batch, args.warmup, device)
+                    emit(
+                        {
+                            "mode": "manylora",
+                            "adapters_in_flight": k,
+                            "distribution": dist,
+                            **r,
+                            "loads": dict(engine.store.loads),
+                            "caches": "cold" if args.cold else "preloaded",
+                        },
+                        chosen,
+                    )
+                if (
+                    first
+                    and "hotswap" in args.modes
+                    and dist == "uniform"
+                    and (args.hotswap_at is None or k in args.hotswap_at)
+                ):
+                    server = HotSwapServer(args.checkpoint, args.adapters, 25, device, dtype)
+                    r = run_hotswap_mode(server, texts, schema, chosen, args.hotswap_seconds, device)
+                    emit({"mode": "hotswap", "adapters_in_flight": k, "distribution": dist, **r}, chosen)
+                    del server
+                if first and "peft-mixed" in args.modes and k > args.peft_mixed_max:
+                    print(f"skipping peft-mixed at {k} adapters in flight: above --peft-mixed-max", file=sys.stderr)
+                elif first and "peft-mixed" in args.modes:
+                    if peft_mixed is None:  # one PeftModel for every pool: the pools are prefixes of names
+                        fits = [n for n in args.adapters_in_flight if n <= min(args.peft_mixed_max, len(names))]
+                        peft_mixed = PeftMixedServer(args.checkpoint, args.adapters, names[: max(fits)], device, dtype)
+                    r = run_peft_mixed_mode(peft_mixed, texts, schema, chosen, args.batch, args.warmup, device)
+                    emit({"mode": "peft-mixed", "adapters_in_flight": k, "distribution": dist, **r}, chosen)
 
     def same_k(mode, r):
         matches = [h for h in rows if h["mode"] == mode and h.get("adapters_in_flight") == r.get("adapters_in_flight")]
         same = [h for h in matches if h.get("distribution") == r.get("distribution")]
         return (same or matches or [None])[0]
 
-    print("\nmode       adapters dist      req/s   x base  x hotswap  x peft-mixed  TFLOP/s  of GEMM")
+    def base_of(r):  # the base row of the same round
+        return next((b for b in rows if b["mode"] == "base" and b["round"] == r["round"]), None)
+
+    print("\nround mode       adapters dist      req/s   x base  x hotswap  x peft-mixed  TFLOP/s  of GEMM")
     for r in rows:
-        hot, mixed = same_k("hotswap", r), same_k("peft-mixed", r)
+        hot, mixed, base = same_k("hotswap", r), same_k("peft-mixed", r), base_of(r)
         ratio_base = r["req_per_s"] / base["req_per_s"] if base else float("nan")
         ratio_hot = r["req_per_s"] / hot["req_per_s"] if hot else float("nan")
         ratio_mixed = r["req_per_s"] / mixed["req_per_s"] if mixed else float("nan")
         print(
-            f"{r['mode']:10s} {r.get('adapters_in_flight', 0):8d} {r.get('distribution', '-'):8s} "
+            f"{r['round']:5d} {r['mode']:10s} {r.get('adapters_in_flight', 0):8d} {r.get('distribution', '-'):8s} "
             f"{r['req_per_s']:8.1f} {ratio_base:8.2f} {ratio_hot:10.1f} {ratio_mixed:13.2f} "
             f"{r['achieved_tflops']:8.3g} {r['fraction_of_gemm_rate']:8.1%}"
         )
+    if args.rounds > 1:
+        print("\nmanylora / base within each round, median over rounds:")
+        cases = sorted({(r["adapters_in_flight"], r["distribution"]) for r in rows if r["mode"] == "manylora"})
+        for k, dist in cases:
+            ratios = [
+                r["req_per_s"] / base_of(r)["req_per_s"]
+                for r in rows
+                if r["mode"] == "manylora" and (r["adapters_in_flight"], r["distribution"]) == (k, dist) and base_of(r)
+            ]
+            if ratios:
+                print(
+                    f"  {k:5d} {dist:8s} median {statistics.median(ratios):.3f}  rounds {[round(x, 3) for x in ratios]}"
+                )
     return 0
 
 

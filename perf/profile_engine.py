@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
+import os
 import pstats
 import time
 from pathlib import Path
@@ -65,10 +67,30 @@ def main(argv=None) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    gc_pauses: list[tuple[int, float]] = []  # (generation, seconds) of every collection while timed
+
+    def on_gc(phase, info, started=[0.0]):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gc_pauses.append((info["generation"], time.perf_counter() - started[0]))
+
+    if names:  # what one per-request adapter check costs on this file system
+        weights = args.adapters / names[0] / "adapter_model.safetensors"
+        s0 = time.perf_counter()
+        for _ in range(1000):
+            os.stat(weights)
+        stat_us = 1e3 * (time.perf_counter() - s0)
+        s0 = time.perf_counter()
+        for name in names[:256]:
+            engine.store.get(name)
+        print(f"os.stat {stat_us:.1f} us; store.get {1e6 * (time.perf_counter() - s0) / min(256, len(names)):.1f} us")
+    print(f"gc: {len(gc.get_objects())} tracked objects, thresholds {gc.get_threshold()}")
     with torch.inference_mode():
         for _ in range(3):
             engine.run(requests)
         sync()
+        gc.callbacks.append(on_gc)
         t0 = time.perf_counter()
         prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
         t1 = time.perf_counter()
@@ -81,7 +103,10 @@ def main(argv=None) -> int:
         engine.decode(chunk, batch, states, slots)
         sync()
         t4 = time.perf_counter()
+        gc.callbacks.remove(on_gc)
         timings = {
+            "gc_ms": round(1e3 * sum(t for _, t in gc_pauses), 2),
+            "gc_full": sum(g == 2 for g, _ in gc_pauses),
             "pre_ms": 1e3 * (t1 - t0),
             "forward_launch_ms": 1e3 * (t2 - t1),
             "forward_sync_ms": 1e3 * (t3 - t1),
@@ -175,6 +200,7 @@ def main(argv=None) -> int:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
         (args.out / f"host-{tag}.txt").write_text(s.getvalue())
+        print(f"{tag} prepare + forward + decode, host functions by own time:")
         print("\n".join(s.getvalue().splitlines()[:60]))
     return 0
 

@@ -14,6 +14,35 @@ from manylora import kernels
 from manylora.lora.store import AdapterStore
 
 
+def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without a stream sync: through pinned memory
+    and an asynchronous copy on CUDA (a plain ``torch.tensor(..., device=cuda)`` waits for the
+    GPU to drain the stream, serialising the host with the kernels already queued)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class PositionLora:
+    """Every row's LoRA on one position projection (query_proj or key_proj), in low-rank form.
+
+    Row b's projected table is ``base + (window A_bᵀ s_b) B_bᵀ``: ``lora_b`` are the store's
+    B factors of that module [slots, out, R], ``v`` the ``s A windowᵀ`` per distinct slot of
+    the batch [G, R, W] (zeros for the no-adapter group), ``row_slots`` each row's slot
+    (-1: none) and ``row_group`` its index into ``v``.
+    """
+
+    __slots__ = ("lora_b", "v", "row_slots", "row_group", "_clamped")
+
+    def __init__(self, lora_b, v, row_slots, row_group, clamped):
+        self.lora_b, self.v, self.row_slots, self.row_group, self._clamped = lora_b, v, row_slots, row_group, clamped
+
+    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B per row [rows, out, R], s A windowᵀ per row [rows, R, W]) for the eager path."""
+        return self.lora_b.index_select(0, self._clamped), self.v.index_select(0, self.row_group)
+
+
 class LoraBatch:
     def __init__(
         self,
@@ -37,10 +66,11 @@ class LoraBatch:
         group_slots = sorted(set(slot_per_row))
         index = {s: g for g, s in enumerate(group_slots)}
         device = store.device
-        self.group_slots = torch.tensor([max(s, 0) for s in group_slots], device=device)
-        self.group_has_adapter = torch.tensor([s >= 0 for s in group_slots], device=device)
-        self.row_group = torch.tensor([index[s] for s in slot_per_row], device=device)
-        self.row_slots = torch.tensor([max(s, 0) for s in slot_per_row], device=device)
+        self.group_slots = device_tensor([max(s, 0) for s in group_slots], device)
+        self.group_has_adapter = device_tensor([s >= 0 for s in group_slots], device, torch.bool)
+        self.row_group = device_tensor([index[s] for s in slot_per_row], device)
+        self.row_slots = device_tensor([max(s, 0) for s in slot_per_row], device)
+        self.row_slots_or_none = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -65,15 +95,13 @@ class LoraBatch:
             v=v,
         )
 
-    def position_factors(self, name: str, window: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Each row's LoRA on the position table through ``name``, as two factors.
+    def position_factors(self, name: str, window: torch.Tensor) -> Optional[PositionLora]:
+        """Each row's LoRA on the position table through ``name``, in low-rank form.
 
         DeBERTa projects the position table through query_proj / key_proj; with LoRA there,
         row b's projected table is ``base + s_b (window A_bᵀ) B_bᵀ``. Scores against it
         (``x · tableᵀ``) split into the base scores plus ``(x B_b) (s_b A_b windowᵀ)``, so a
-        row never needs its own [W, H] table. Returns ``(B per row [rows, out, R], s A windowᵀ
-        per row [rows, R, W])`` in the table's dtype (zeros for base rows), or None when no
-        adapter of the batch adapts ``name``.
+        row never needs its own [W, H] table. None when no adapter of the batch adapts ``name``.
         """
         if name not in self.targets:
             return None
@@ -81,5 +109,4 @@ class LoraBatch:
         a = store.a[name].index_select(0, self.group_slots)  # [G, R, in]
         scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter  # [G]
         v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
-        v = v.to(window.dtype).index_select(0, self.row_group)  # [rows, R, W]
-        return store.b[name].index_select(0, self.row_slots), v
+        return PositionLora(store.b[name], v.to(window.dtype), self.row_slots_or_none, self.row_group, self.row_slots)

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from manylora.lora.batch import device_tensor
 from manylora.lora.store import AdapterStore
 
 HEAD_MODULES = ("span_rep", "classifier", "count_pred", "count_embed")
@@ -126,9 +127,10 @@ class HeadLoras:
         )
         chosen = [m for n, m in self.linears.items() if n.startswith(prefixes)] if active else []
         device = next(iter(self.linears.values())).base.weight.device if chosen else None
+        row_tensor = device_tensor(list(rows), device) if chosen and rows is not None else None
         for module in chosen:
             if rows is not None:
-                module.rows = torch.tensor(list(rows), device=device)
+                module.rows = row_tensor
             else:
                 module.single = single
         try:
