@@ -18,7 +18,7 @@ STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
 [ -d "$MODELS/demo-base" ] || /usr/bin/time -f "demo-base built in %e s" python3 -m manylora.demo --size base --out "$MODELS/demo-base"
 timeout "$STAGE_TIMEOUT" python3 perf/bench_engine.py --modes ${ENGINE_MODES:-base manylora hotswap peft-mixed} --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
   --make-adapters "$ADAPTERS" --adapters-in-flight ${IN_FLIGHT:-1 8 32 128 $ADAPTERS} --distributions ${DISTRIBUTIONS:-uniform zipf} \
-  --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 2 --hotswap-at "$ADAPTERS" --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
+  --batch 256 --batches ${ENGINE_BATCHES:-4} --warmup 2 --rounds ${ROUNDS:-1} --hotswap-at "$ADAPTERS" --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \
   --hotswap-seconds ${HOTSWAP_SECONDS:-15} --out "$OUT/engine.jsonl"
 timeout "$STAGE_TIMEOUT" python3 perf/bench_server.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
   --instances ${INSTANCES:-4} ${GPUS:+--gpus $GPUS} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" \

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from manylora.encoder import _position_scores
 from manylora.kernels import TOLERANCES, position_scores_ref
 from manylora.kernels.posscores import position_scores
+
+from manylora.encoder import _position_scores
 from manylora.lora.batch import PositionLora
 
 
