@@ -92,3 +92,38 @@ def test_unknown_and_invalid_adapters_fail_alone(tiny_checkpoint, demo_adapters)
     got = engine.run([good, *bad])
     assert isinstance(got[0], dict)
     assert [getattr(g, "code", None) for g in got[1:]] == ["NOT_FOUND", "INVALID_ARG", "INVALID_ARG", "INVALID_ARG"]
+
+
+def test_position_kernel_equals_the_eager_path_in_the_engine(tiny_checkpoint, demo_adapters, monkeypatch):
+    """The fused position-score kernel (on CUDA when present, else interpreted) inside a full
+    float32 forward of a mixed batch: the same encoder states and answers as the eager path."""
+    import torch
+
+    from manylora import encoder as encoder_module
+
+    pytest.importorskip("triton")
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
+    engine = Engine(EngineConfig.from_parameters(values, device=device))
+    engine.encoder.backend = "triton"  # the position and bias kernels; SGMV on the device's default
+    assert engine.dtype == torch.float32
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
+    texts = demo_texts(len(names), seed=17, min_words=10, max_words=20)  # short: the interpreter is slow
+    schema = json.dumps(demo_schemas()[0])
+    requests = [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)]
+    calls = []
+    fused = encoder_module.kernels.position_scores
+    monkeypatch.setattr(encoder_module.kernels, "position_scores", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    with torch.inference_mode():
+        prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
+        (chunk,) = engine._chunks(prepared)
+        _, kernel_states, _ = engine.forward(list(chunk))
+        assert calls, "the kernel ran"
+        kernel_answers = engine.run(requests) if device != "cpu" else None  # interpreted: the states suffice
+        monkeypatch.setattr(encoder_module.kernels, "position_scores_supported", lambda head_size: False)
+        _, eager_states, _ = engine.forward(list(chunk))
+        eager_answers = engine.run(requests) if device != "cpu" else None
+    torch.testing.assert_close(kernel_states, eager_states, atol=1e-4, rtol=1e-4)
+    if kernel_answers is not None:
+        diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(kernel_answers, eager_answers)]
+        assert diffs == [[]] * len(requests)
