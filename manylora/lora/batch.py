@@ -6,6 +6,7 @@ sorted by slot, so each adapter's tokens are contiguous and form one SGMV segmen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -24,6 +25,7 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64
     return host.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
 class PositionLora:
     """Every row's LoRA on one position projection (query_proj or key_proj), in low-rank form.
 
@@ -33,14 +35,15 @@ class PositionLora:
     (-1: none) and ``row_group`` its index into ``v``.
     """
 
-    __slots__ = ("lora_b", "v", "row_slots", "row_group", "_clamped")
-
-    def __init__(self, lora_b, v, row_slots, row_group, clamped):
-        self.lora_b, self.v, self.row_slots, self.row_group, self._clamped = lora_b, v, row_slots, row_group, clamped
+    lora_b: torch.Tensor
+    v: torch.Tensor
+    row_slots: torch.Tensor
+    row_group: torch.Tensor
 
     def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B per row [rows, out, R], s A windowᵀ per row [rows, R, W]) for the eager path."""
-        return self.lora_b.index_select(0, self._clamped), self.v.index_select(0, self.row_group)
+        """(B per row [rows, out, R], s A windowᵀ per row [rows, R, W]) for the eager path;
+        rows without an adapter read slot 0's B against their zero ``v``."""
+        return self.lora_b.index_select(0, self.row_slots.clamp(min=0)), self.v.index_select(0, self.row_group)
 
 
 class LoraBatch:
@@ -69,8 +72,7 @@ class LoraBatch:
         self.group_slots = device_tensor([max(s, 0) for s in group_slots], device)
         self.group_has_adapter = device_tensor([s >= 0 for s in group_slots], device, torch.bool)
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
-        self.row_slots = device_tensor([max(s, 0) for s in slot_per_row], device)
-        self.row_slots_or_none = device_tensor(list(slot_per_row), device)  # -1: no adapter
+        self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
 
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -109,4 +111,4 @@ class LoraBatch:
         a = store.a[name].index_select(0, self.group_slots)  # [G, R, in]
         scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter  # [G]
         v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
-        return PositionLora(store.b[name], v.to(window.dtype), self.row_slots_or_none, self.row_group, self.row_slots)
+        return PositionLora(store.b[name], v.to(window.dtype), self.row_slots, self.row_group)
