@@ -8,7 +8,8 @@ workload repeats a few schemas over many texts, so ``RecordBuilder`` splits the 
   gives the schema tokens, task types, inference labels, the classification prefix and the
   token ids of everything up to and including ``[SEP_TEXT]``;
 * per request: GLiNER2's word splitting on the text (an equivalent, faster pattern for
-  ASCII text), then each word's subword ids from a bounded per-word cache;
+  ASCII text; other text runs through it on a same-length proxy of stand-in characters),
+  then each word's subword ids from a bounded per-word cache;
 * per batch: ``pad_batch`` builds the ``PreprocessedBatch`` GLiNER2's ``_pad_batch``
   builds, with numpy rows instead of a tensor per record and field, and the schema
   routes once per schema.
@@ -23,6 +24,7 @@ import copy
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate, chain, repeat
 from typing import Sequence
 
 import numpy as np
@@ -48,6 +50,23 @@ _ASCII_WORDS = re.compile(
 )
 
 
+# Non-ASCII text runs through the same fast pattern on a proxy text of equal length: each
+# non-ASCII character is replaced by an ASCII or Latin-1 stand-in that every element of
+# GLiNER2's pattern (matched case-insensitively, one character at a time) accepts or
+# refuses exactly as it does the character itself. The regex engine then takes the same
+# path through both texts, so the word spans are the same; the words are cut from the
+# original text. A character without such a stand-in sends its text to GLiNER2's splitter.
+def _pattern_elements():
+    from gliner2.processing.word_splitter import _WORD
+
+    literals = [re.escape(c) for c in "htps:/w.@"]
+    classes = [r"[^\s]", r"[a-z0-9._%+-]", r"[a-z0-9.-]", r"[a-z]", r"[a-z0-9_]", _WORD, r"[-_]", r"\S"]
+    return [re.compile(e, re.IGNORECASE) for e in literals + classes]
+
+
+_STAND_INS = " \u00e9\u00a7" + "abcdefghijklmnopqrstuvwxyz"  # space, a non-ASCII word letter, a symbol, letters
+
+
 @dataclass(frozen=True)
 class SchemaPart:
     schema: dict  # the schema as GLiNER2 keeps it on the record (choices preserved)
@@ -68,13 +87,58 @@ class RecordBuilder:
         self._word_ids = lru_cache(maxsize=WORD_CACHE_SIZE)(self._word_ids_uncached)
         self._ascii_fast_path = type(processor.word_splitter) is WhitespaceTokenSplitter
         # ("text", index, num_schemas) tuples are immutable: share them between records
-        self._text_slot = lru_cache(maxsize=1 << 16)(lambda index, schemas: ("text", index, schemas))
+        self._slot_runs: dict[tuple[int, int], list] = {}
+        self._stand_in: dict[str, str] = {}  # non-ASCII character -> its stand-in ("" = none)
+        self._elements = _pattern_elements() if self._ascii_fast_path else []
+
+    def _text_slots(self, first: int, schemas: int, count: int) -> list:
+        """The mapped-index tuples ("text", first + k, schemas) for k < count (a shared list's slice)."""
+        run = self._slot_runs.get((first, schemas))
+        if run is None or len(run) < count:
+            if len(self._slot_runs) > 4096:
+                self._slot_runs.clear()
+            run = self._slot_runs[first, schemas] = [("text", first + k, schemas) for k in range(max(count, 512))]
+        return run[:count]
 
     def words(self, text: str):
         """(lower-cased word, start, end) as GLiNER2's word splitter yields them."""
+        words, starts, ends = self._split(text)
+        return list(zip(words, starts, ends))
+
+    def _split(self, text: str) -> tuple[list, list, list]:
+        """Words (lower-cased), their start and end offsets, as three lists."""
         if self._ascii_fast_path and text.isascii():
-            return [(m.group().lower(), m.start(), m.end()) for m in _ASCII_WORDS.finditer(text)]
-        return self.processor.word_splitter(text, lower=True)
+            # ASCII lower-casing keeps every offset and no pattern class depends on case
+            lowered = text.lower()
+            spans = [m.span() for m in _ASCII_WORDS.finditer(lowered)]
+            return [lowered[a:b] for a, b in spans], [a for a, _ in spans], [b for _, b in spans]
+        proxy = self._proxy(text) if self._ascii_fast_path else None
+        if proxy is not None:
+            spans = [m.span() for m in _ASCII_WORDS.finditer(proxy)]
+            return [text[a:b].lower() for a, b in spans], [a for a, _ in spans], [b for _, b in spans]
+        triples = list(self.processor.word_splitter(text, lower=True))
+        return [w for w, _, _ in triples], [a for _, a, _ in triples], [b for _, _, b in triples]
+
+    def _proxy(self, text: str):
+        """``text`` with every non-ASCII character replaced by its stand-in, or None."""
+        table = {}
+        for c in set(text):
+            if c.isascii():
+                continue
+            stand_in = self._stand_in.get(c)
+            if stand_in is None:
+                stand_in = self._stand_in[c] = self._find_stand_in(c)
+            if not stand_in:
+                return None
+            table[ord(c)] = stand_in
+        return text.translate(table)
+
+    def _find_stand_in(self, c: str) -> str:
+        accepts = [e.fullmatch(c) is not None for e in self._elements]
+        for candidate in _STAND_INS:
+            if [e.fullmatch(candidate) is not None for e in self._elements] == accepts:
+                return candidate
+        return ""
 
     def _word_ids_uncached(self, word: str) -> tuple:
         p = self.processor
@@ -106,22 +170,20 @@ class RecordBuilder:
         """The record GLiNER2's ``transform_record(text, schema)`` would build."""
         p = self.processor
         text = p._normalize_text(text)
-        words, starts, ends = [], [], []
-        for token, start, end in self.words(text):
-            words.append(token)
-            starts.append(start)
-            ends.append(end)
+        words, starts, ends = self._split(text)
         text_tokens = list(part.prefix) + words
+        ids = list(map(self._word_ids, text_tokens))
+        lengths = list(map(len, ids))
+        offset = len(part.input_ids)
+        first_positions = [offset + before for before in accumulate(lengths, initial=0)][:-1]
         input_ids = list(part.input_ids)
+        input_ids.extend(chain.from_iterable(ids))
+        slots = self._text_slots(part.first_text_index, part.num_schemas, len(text_tokens))
         mapped = list(part.mapped_indices)
-        first_positions = []
-        base = part.first_text_index
-        word_ids, slot, schemas = self._word_ids, self._text_slot, part.num_schemas
-        for k, token in enumerate(text_tokens):
-            ids = word_ids(token)
-            first_positions.append(len(input_ids))
-            input_ids.extend(ids)
-            mapped.extend((slot(base + k, schemas),) * len(ids))
+        if len(input_ids) - offset == len(text_tokens):  # every word is one subword
+            mapped.extend(slots)
+        else:
+            mapped.extend(chain.from_iterable(repeat(slot, n) for slot, n in zip(slots, lengths)))
         return TransformedRecord(
             input_ids=input_ids,
             mapped_indices=mapped,

@@ -63,47 +63,46 @@ def test_pad_batch_equals_gliner2(reference_model):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-ASCII_PIECES = st.sampled_from(
-    [
-        "word",
-        "Word",
-        "a-b",
-        "a_b",
-        "x--y",
-        "-",
-        "_",
-        "http://a.b/c?d=e",
-        "https://x.y",
-        "www.site.org/p",
-        "a.b@c.de",
-        "me@x.io",
-        "@hand_le",
-        "@",
-        ".",
-        ",",
-        "(",
-        ")",
-        "|",
-        "'",
-        '"',
-        "3.14",
-        "1,000",
-        "\x1c",
-        "\x1f",
-        "\t",
-        "\n",
-        " ",
-        "  ",
-        "\x0b",
-        "e.g.",
-        "U.S.A.",
-        "co-op_x",
-        "$5",
-        "100%",
-        "a+b@c.com",
-        "WWW.X.COM",
-    ]
-)
+ASCII_PIECE_LIST = [
+    "word",
+    "Word",
+    "a-b",
+    "a_b",
+    "x--y",
+    "-",
+    "_",
+    "http://a.b/c?d=e",
+    "https://x.y",
+    "www.site.org/p",
+    "a.b@c.de",
+    "me@x.io",
+    "@hand_le",
+    "@",
+    ".",
+    ",",
+    "(",
+    ")",
+    "|",
+    "'",
+    '"',
+    "3.14",
+    "1,000",
+    "\x1c",
+    "\x1f",
+    "\t",
+    "\n",
+    " ",
+    "  ",
+    "\x0b",
+    "e.g.",
+    "U.S.A.",
+    "co-op_x",
+    "$5",
+    "100%",
+    "a+b@c.com",
+    "WWW.X.COM",
+]
+ASCII_PIECES = st.sampled_from(ASCII_PIECE_LIST)
 
 
 @settings(max_examples=300, deadline=None)
@@ -115,3 +114,39 @@ def test_ascii_fast_path_splits_like_gliner2(text):
         word_splitter = WhitespaceTokenSplitter()
 
     assert RecordBuilder(Processor()).words(text) == list(WhitespaceTokenSplitter()(text, lower=True))
+
+
+# characters where a stand-in could go wrong: case folds onto the pattern's ASCII letters
+# (long s, Kelvin sign, dotted and dotless i), combining marks, joiners, non-ASCII spaces,
+# digits and symbols, scripts without case, astral characters
+TRICKY = "ſKİıßéÉ\u0301\u0308\u200c\u200d\u200b\u00a0\u2003\u3000—–“”’«»§°٣४日本語한😀\U0001d400"
+UNICODE_PIECES = st.sampled_from([*ASCII_PIECE_LIST, *TRICKY, "httpſ://x.org", "josé@x.com", "@ſam"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(UNICODE_PIECES, max_size=40).map("".join)
+    | st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
+    | st.text(st.sampled_from(TRICKY + "ab1 .@-_/:htpsw"), max_size=60)
+)
+def test_non_ascii_fast_path_splits_like_gliner2(text):
+    """Non-ASCII text through stand-in characters splits exactly as GLiNER2's splitter does."""
+    from gliner2.processing.word_splitter import WhitespaceTokenSplitter
+
+    class Processor:  # only what RecordBuilder.words reads
+        word_splitter = WhitespaceTokenSplitter()
+
+    assert RecordBuilder(Processor()).words(text) == list(WhitespaceTokenSplitter()(text, lower=True))
+
+
+def test_stand_ins_cover_common_non_ascii_text():
+    """Accented letters, typographic punctuation and other scripts take the fast path."""
+    from gliner2.processing.word_splitter import WhitespaceTokenSplitter
+
+    class Processor:
+        word_splitter = WhitespaceTokenSplitter()
+
+    builder = RecordBuilder(Processor())
+    for text in ("Café déjà vu — “quoted” ’s", "İstanbul ſtraße K", "naïve co\u0301operate", "٣٤ 日本語 😀 x"):
+        assert builder._proxy(text) is not None, text
+        assert len(builder._proxy(text)) == len(text)
