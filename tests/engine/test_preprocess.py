@@ -150,3 +150,23 @@ def test_stand_ins_cover_common_non_ascii_text():
     for text in ("Café déjà vu — “quoted” ’s", "İstanbul ſtraße K", "naïve co\u0301operate", "٣٤ 日本語 😀 x"):
         assert builder._proxy(text) is not None, text
         assert len(builder._proxy(text)) == len(text)
+
+
+def test_stand_ins_across_unicode():
+    """Every 97th code point (a sweep of all of them passed once, outside the suite): a stand-in exists, and
+    probes that put the character in every part of the pattern split like GLiNER2."""
+    import sys
+
+    from gliner2.processing.word_splitter import WhitespaceTokenSplitter
+
+    class Processor:
+        word_splitter = WhitespaceTokenSplitter()
+
+    builder, reference = RecordBuilder(Processor()), WhitespaceTokenSplitter()
+    for cp in range(0x80, sys.maxunicode + 1, 97):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        c = chr(cp)
+        probe = f"a{c}b {c} {c}x@y.com ww{c}.q http{c}://z s{c} @{c}a x-{c}_y {c}{c}"
+        assert builder._proxy(probe) is not None, hex(cp)
+        assert builder.words(probe) == list(reference(probe, lower=True)), hex(cp)
