@@ -83,6 +83,19 @@ class Prepared:
 Result = Union[dict, RequestError]
 
 
+def freeze_long_lived() -> None:
+    """Move every object alive now out of the garbage collector's generations.
+
+    An engine's model, tokenizer and preloaded adapters are ~650k long-lived objects that every
+    full collection would walk again: a pause of 100+ ms in the middle of a batch. A process
+    that keeps one engine for its lifetime (a model instance, a benchmark) calls this once after
+    building it. Frozen objects are never collected, so an engine dropped later would stay in
+    memory: not for processes that build and drop engines.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def load_gliner2(checkpoint, device: str, dtype: torch.dtype):
     """GLiNER2 from a local checkpoint directory, on ``device`` in ``dtype``, eval mode."""
     from gliner2 import GLiNER2
@@ -133,11 +146,6 @@ class Engine:
             logger.info("preloaded %d adapters in %.1f s", len(loaded), time.perf_counter() - started)
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
         self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
-        # The model, tokenizer and preloaded adapters are ~650k long-lived objects that every full
-        # garbage collection would walk again (a pause of 100+ ms in the middle of a batch):
-        # move them out of the collector's generations, as long-running servers do.
-        gc.collect()
-        gc.freeze()
 
     # ------------------------------------------------------------------ pre
     def _parse_schema_uncached(self, schema_json: str):

@@ -180,7 +180,7 @@ class RecordBuilder:
         input_ids.extend(chain.from_iterable(ids))
         slots = self._text_slots(part.first_text_index, part.num_schemas, len(text_tokens))
         mapped = list(part.mapped_indices)
-        if len(input_ids) - offset == len(text_tokens):  # every word is one subword
+        if lengths.count(1) == len(lengths):  # every word is one subword
             mapped.extend(slots)
         else:
             mapped.extend(chain.from_iterable(repeat(slot, n) for slot, n in zip(slots, lengths)))

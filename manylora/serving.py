@@ -17,7 +17,7 @@ import numpy as np
 
 from manylora.client import protocol
 from manylora.client.protocol import Request
-from manylora.engine import INTERNAL, INVALID_ARG, Engine, RequestError
+from manylora.engine import INTERNAL, INVALID_ARG, Engine, RequestError, freeze_long_lived
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class TritonModelHandler:
         self.metrics = AdapterMetrics(
             pb_utils, {"model": args.get("model_name", "gliner2"), "instance": args.get("model_instance_name", "")}
         )
+        freeze_long_lived()  # this process keeps its engine for life: no full-collection pauses mid-batch
 
     def _error(self, exc: RequestError):
         pb = self.pb_utils

@@ -438,7 +438,7 @@ def main(argv=None) -> int:
 
     from manylora.config import EngineConfig
     from manylora.demo import build_demo_checkpoint, demo_texts
-    from manylora.engine import Engine
+    from manylora.engine import Engine, freeze_long_lived
     from manylora.lora.demo_adapters import DemoAdapter, build_demo_adapter, clone_random_adapters
 
     device = "cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -474,6 +474,7 @@ def main(argv=None) -> int:
     if args.adapters:
         params["adapter_dir"] = str(args.adapters)
     engine = Engine(EngineConfig.from_parameters(params, device=device))
+    freeze_long_lived()  # as each server instance does
     dtype = engine.dtype
     rows = []
     context = {

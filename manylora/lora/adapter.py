@@ -137,8 +137,11 @@ def resolve_adapter_dir(root: Path, adapter_id: str) -> Path:
     and the resolved folder (symlinks followed) must stay inside the adapter root.
     """
     _check_id(adapter_id)
-    root = root.resolve()
-    folder = (root / adapter_id).resolve()
+    try:
+        root = root.resolve()
+        folder = (root / adapter_id).resolve()
+    except (RuntimeError, OSError):  # a symlink loop (RuntimeError before Python 3.13)
+        raise _not_found(adapter_id) from None
     if folder.parent != root and root not in folder.parents:
         raise AdapterError("INVALID_ARG", f"adapter {adapter_id!r} resolves outside the adapter directory")
     if not folder.is_dir():
@@ -158,7 +161,9 @@ class AdapterLocator:
     MAX_IDS = 1 << 16  # ids whose paths are kept (each a few hundred bytes)
 
     def __init__(self, root: Path):
-        self.root = Path(os.path.abspath(root))
+        # absolute, not normalised: ".." after a symlinked part of the root must follow the link,
+        # and a root that is itself a symlink is followed anew on every call (atomic deploys)
+        self.root = Path(root).absolute()
         self._paths: dict[str, tuple[str, Path, str, str]] = {}
 
     def __call__(self, adapter_id: str) -> tuple[Path, Optional[tuple]]:

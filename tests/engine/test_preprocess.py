@@ -170,3 +170,18 @@ def test_stand_ins_across_unicode():
         probe = f"a{c}b {c} {c}x@y.com ww{c}.q http{c}://z s{c} @{c}a x-{c}_y {c}{c}"
         assert builder._proxy(probe) is not None, hex(cp)
         assert builder.words(probe) == list(reference(probe, lower=True)), hex(cp)
+
+
+def test_words_without_subwords_keep_their_slots(reference_model, monkeypatch):
+    """A word the tokenizer maps to no pieces (GLiNER2 keeps a placeholder position for it)
+    next to a two-piece word: the same record as GLiNER2's, not the one-piece shortcut's."""
+    from gliner2.inference.schema import Schema
+
+    processor = reference_model.processor
+    tokenize = processor._tokenize_cached
+    monkeypatch.setattr(processor, "_tokenize_cached", lambda word: [] if word == "\x00" else tokenize(word))
+    builder = RecordBuilder(processor)
+    schema = Schema.from_dict(demo_schemas()[0]).build()
+    part = builder.schema_part(schema)
+    for text in ("a \x00 b.", "\x00 xyzzyqqqkw.", "one \x00 two \x00\x00 three"):
+        assert _fields(builder.record(text, part)) == _fields(processor.transform_record(text, schema)), repr(text)

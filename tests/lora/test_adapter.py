@@ -172,3 +172,34 @@ def test_locator_agrees_with_the_full_resolve(tmp_path):
     assert same("good")[0] == "NOT_FOUND" and same("alias")[0] == "NOT_FOUND"
     os.symlink(tmp_path / "elsewhere" / "inside", root / "good")  # the folder becomes a symlink out of the root
     assert same("good")[0] == "INVALID_ARG"
+
+
+def test_locator_follows_the_root_path_as_the_full_resolve_does(tmp_path):
+    """'..' after a symlinked part of the root, a root symlink flipped to a new version
+    (atomic deploys), and a symlink loop (NOT_FOUND, not an escaping RuntimeError)."""
+    (tmp_path / "x" / "y").mkdir(parents=True)
+    _write(tmp_path / "x" / "adapters" / "a1")
+    (tmp_path / "srv").mkdir()
+    os.symlink(tmp_path / "x" / "y", tmp_path / "srv" / "link")
+    root = tmp_path / "srv" / "link" / ".." / "adapters"  # is x/adapters, not srv/adapters
+    locate = AdapterLocator(root)
+    folder, fingerprint = locate("a1")
+    assert os.path.realpath(folder) == str(resolve_adapter_dir(root, "a1"))
+    assert fingerprint == weights_fingerprint(resolve_adapter_dir(root, "a1"))
+
+    _write(tmp_path / "v1" / "a1")
+    _write(tmp_path / "v2" / "a1", config={"lora_alpha": 8})
+    current = tmp_path / "current"
+    os.symlink(tmp_path / "v1", current)
+    flipped = AdapterLocator(current)
+    before = flipped("a1")[1]
+    os.symlink(tmp_path / "v2", tmp_path / "next")
+    os.replace(tmp_path / "next", current)
+    assert flipped("a1")[1] == weights_fingerprint(tmp_path / "v2" / "a1") != before
+
+    real_root = tmp_path / "x" / "adapters"
+    os.symlink(real_root / "loop", real_root / "loop")
+    for call in (lambda: resolve_adapter_dir(root, "loop"), lambda: locate("loop")):
+        with pytest.raises(AdapterError) as info:
+            call()
+        assert info.value.code == "NOT_FOUND"
