@@ -19,7 +19,14 @@ from __future__ import annotations
 import torch
 
 from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_sgmv_meta
-from .reference import TOLERANCES, position_scores_ref, relpos_bias_ref, sgmv_expand_ref, sgmv_shrink_ref
+from .reference import (
+    TOLERANCES,
+    position_scores_eager,
+    position_scores_ref,
+    relpos_bias_ref,
+    sgmv_expand_ref,
+    sgmv_shrink_ref,
+)
 
 BACKENDS = ("triton", "torch")
 
@@ -35,6 +42,7 @@ __all__ = [
     "expand",
     "lora_apply",
     "position_scores",
+    "position_scores_eager",
     "position_scores_ref",
     "position_scores_supported",
     "relpos_bias",
@@ -151,10 +159,11 @@ def position_scores(
     backend: str = "triton",
 ) -> torch.Tensor:
     """out[b, h, i, w] = x[b, i, h] · table[w, h] + (x[b, i, h] · lora_b[s_b, h]) · v[g_b, :, w]
-    (the second term for rows with a slot s_b >= 0); [B, h, L, W]. See posscores.py."""
+    (the second term for rows with a slot s_b >= 0); [B, h, L, W]. See posscores.py; the torch
+    backend is position_scores_eager (position_scores_ref is the float32 test reference)."""
     _check_backend(backend)
     if backend == "torch":
-        return position_scores_ref(x, table, batch, length, heads, lora_b, row_slots, v, row_group).to(x.dtype)
+        return position_scores_eager(x, table, batch, length, heads, lora_b, row_slots, v, row_group)
     from .posscores import position_scores as kernel
 
     return kernel(x, table, batch, length, heads, lora_b, row_slots, v, row_group)

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import position_scores_supported
+
 
 @triton.jit
 def _position_scores_kernel(
@@ -118,7 +120,7 @@ def position_scores(
     """Scores [B, h, L, W] (contiguous); see the module docstring."""
     window, hidden = table.shape
     head = hidden // heads
-    assert head >= 16 and head & (head - 1) == 0 and head * heads == hidden, f"head size {head}: a power of two >= 16"
+    assert position_scores_supported(head) and head * heads == hidden, f"head size {head}: a power of two >= 16"
     assert x.shape == (batch * length, hidden) and x.stride(1) == 1 and table.stride(1) == 1
     has_lora = lora_b is not None
     if has_lora:

@@ -130,3 +130,35 @@ def position_scores_ref(
                 u = torch.einsum("lhd,hdr->hlr", xh[b], lora_b[slot].float().view(heads, head, -1))
                 out[b] += u @ v[group].float()
     return out
+
+
+def position_scores_eager(
+    x: torch.Tensor,  # [B*L, H]
+    table: torch.Tensor,  # [W, H]
+    batch: int,
+    length: int,
+    heads: int,
+    lora_b: torch.Tensor | None = None,  # [slots, H, R]
+    row_slots: torch.Tensor | None = None,  # int [B], -1 = no adapter
+    v: torch.Tensor | None = None,  # [G, R, W], zeros for the no-adapter group
+    row_group: torch.Tensor | None = None,  # int [B]
+) -> torch.Tensor:
+    """``position_scores`` in x's dtype with torch ops: the CPU serving path, and the GPU path
+    when no adapter of the batch adapts the projection (one GEMM per head over all B*L tokens).
+    With adapters, a second, rank-R batched GEMM adds ``(x B_b)(s A_b windowᵀ)`` onto the base
+    scores in place. Returns [B, h, L, W] as a strided view of [h, B, L, W]."""
+    window, hidden = table.shape
+    head = hidden // heads
+    th = table.view(window, heads, head).permute(1, 2, 0)  # [h, d, W]
+    xh = x.view(batch * length, heads, head).transpose(0, 1)  # [h, B*L, d]
+    scores = torch.bmm(xh, th).view(heads * batch, length, window)  # the base scores, [h*B, L, W]
+    if lora_b is not None:
+        rank = lora_b.shape[-1]
+        b_rows = lora_b.index_select(0, row_slots.clamp(min=0))  # no-adapter rows meet a zero v
+        v_rows = v.index_select(0, row_group)  # [B, R, W]
+        xb = x.view(batch, length, heads, head).transpose(1, 2)  # [B, h, L, d]
+        u = torch.matmul(xb, b_rows.view(batch, heads, head, rank))  # [B, h, L, R]
+        u = u.transpose(0, 1).reshape(heads * batch, length, rank)
+        v_rows = v_rows.unsqueeze(0).expand(heads, batch, rank, window).reshape(heads * batch, rank, window)
+        scores.baddbmm_(u, v_rows)
+    return scores.view(heads, batch, length, window).transpose(0, 1)

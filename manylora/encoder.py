@@ -183,30 +183,14 @@ def _position_scores(
 ):
     """x [B*L, H] against the position table [W, H] per head: [B, h, L, W] (maybe a strided view).
 
-    No adapter on the table's projection: one GEMM per head over all B*L tokens. With
-    adapters (``lora`` from ``LoraBatch.position_factors``) every row's scores are
+    With adapters (``lora`` from ``LoraBatch.position_factors``) every row's scores are
     ``x · tableᵀ + (x B_b)(s A_b windowᵀ)`` per head: on the triton backend one kernel computes
-    both and writes the scores once (kernels/posscores.py); eagerly, a second, rank-R batched
-    GEMM adds the low-rank term onto the base scores in place.
+    both and writes the scores once (kernels/posscores.py). Without adapters, and on the torch
+    backend, ``kernels.position_scores_eager``: cuBLAS GEMMs (the base alone is fastest there).
     """
-    window, hidden = table.shape
-    dh = hidden // heads
-    if lora is not None and backend == "triton" and kernels.position_scores_supported(dh):
-        return kernels.position_scores(
-            x, table, batch, length, heads, lora.lora_b, lora.row_slots, lora.v, lora.row_group, backend=backend
-        )
-    th = table.view(window, heads, dh).permute(1, 2, 0)  # [h, d, W]
-    xh = x.view(batch * length, heads, dh).transpose(0, 1)  # [h, B*L, d]
-    scores = torch.bmm(xh, th).view(heads * batch, length, window)  # the base scores, [h*B, L, W]
-    if lora is not None:
-        b_rows, v_rows = lora.per_row()  # [B, H, R], [B, R, W]
-        rank = b_rows.shape[-1]
-        xb = x.view(batch, length, heads, dh).transpose(1, 2)  # [B, h, L, d]
-        u = torch.matmul(xb, b_rows.view(batch, heads, dh, rank))  # [B, h, L, R]
-        u = u.transpose(0, 1).reshape(heads * batch, length, rank)
-        v = v_rows.unsqueeze(0).expand(heads, batch, rank, window).reshape(heads * batch, rank, window)
-        scores.baddbmm_(u, v)  # + (x B_b)(s A_b windowᵀ), accumulated by the GEMM: no concatenated operands
-    return scores.view(heads, batch, length, window).transpose(0, 1)
+    factors = () if lora is None else (lora.lora_b, lora.row_slots, lora.v, lora.row_group)
+    fused = lora is not None and backend == "triton" and kernels.position_scores_supported(table.shape[1] // heads)
+    return kernels.position_scores(x, table, batch, length, heads, *factors, backend="triton" if fused else "torch")
 
 
 class EncoderLayer(nn.Module):

@@ -22,6 +22,12 @@ from pathlib import Path
 import torch
 
 
+def _stats(profile: cProfile.Profile, sort: str, limit: int) -> str:
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(limit)
+    return out.getvalue()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--checkpoint", type=Path, required=True)
@@ -52,13 +58,12 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     pr.enable()
     engine = Engine(EngineConfig.from_parameters(params, device=device))  # with names: preloads them all
-    freeze_long_lived()  # as each server instance does
     pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(30)
-    (args.out / f"init-{len(names)}.txt").write_text(s.getvalue())
     print(f"engine start-up with {len(names)} adapters preloaded: {time.perf_counter() - started:.1f} s")
-    print("\n".join(s.getvalue().splitlines()[:45]))
+    freeze_long_lived()  # as each server instance does, after start-up
+    table = _stats(pr, "cumulative", 30)
+    (args.out / f"init-{len(names)}.txt").write_text(table)
+    print("\n".join(table.splitlines()[:45]))
     schema = json.dumps({"entities": ["person", "organization", "location", "date", "product"]})
     texts = demo_texts(args.batch, seed=42, min_words=60, max_words=120)
     requests = [Request(t, schema, adapter=names[i % len(names)] if names else "") for i, t in enumerate(texts)]
@@ -176,10 +181,9 @@ def main(argv=None) -> int:
             engine.forward(list(chunk))
         sync()
         pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+        table = _stats(pr, "tottime", 25)
         print(f"{tag} forward x3, host functions by own time:")
-        print("\n".join(s.getvalue().splitlines()[:40]))
+        print("\n".join(table.splitlines()[:40]))
 
         from torch.profiler import ProfilerActivity, profile
 
@@ -207,11 +211,10 @@ def main(argv=None) -> int:
         engine.decode(chunk, batch, states, slots)
         sync()
         pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
-        (args.out / f"host-{tag}.txt").write_text(s.getvalue())
+        table = _stats(pr, "tottime", 45)
+        (args.out / f"host-{tag}.txt").write_text(table)
         print(f"{tag} prepare + forward + decode, host functions by own time:")
-        print("\n".join(s.getvalue().splitlines()[:60]))
+        print("\n".join(table.splitlines()[:60]))
     return 0
 
 

@@ -40,11 +40,6 @@ class PositionLora:
     row_slots: torch.Tensor
     row_group: torch.Tensor
 
-    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B per row [rows, out, R], s A windowᵀ per row [rows, R, W]) for the eager path;
-        rows without an adapter read slot 0's B against their zero ``v``."""
-        return self.lora_b.index_select(0, self.row_slots.clamp(min=0)), self.v.index_select(0, self.row_group)
-
 
 class LoraBatch:
     def __init__(
