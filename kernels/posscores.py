@@ -11,11 +11,12 @@ where x[b, i, h] is the head-h slice (d features) of token i, ``B[s, h]`` the he
 slot s's B factor ([d, R]) and ``V[g] = s_g A_g windowᵀ`` ([R, W], zeros for rows without an
 adapter). The eager form runs the base scores as one GEMM per head, then materialises the
 rank-R product and adds it in place: three extra passes over the [B, h, L, W] scores plus
-copies of x and V into the GEMM's batch layout. Here the program for an (L, W) tile of one
-(b, h) computes both products with tensor-core dots (x tile [BL, d] against the table tile
-[d, BW]; x tile against B [d, R], then that against V [R, BW]) and writes the scores once.
+copies of x and V into the GEMM's batch layout. Here one program takes an L tile of one
+(b, h): it loads the x tile and computes u = x B ([BL, R], tensor-core dot) once, then walks
+``w_tiles`` W tiles, each a base dot (x against the table tile) plus a rank-R dot (u against
+the V tile), and writes the scores once.
 
-Rows of slot -1 skip the low-rank term. Ranks up to the slot width are padded with zeros in
+Rows of slot -1 read no B or V (masked loads): their u is zero and the low-rank term vanishes. Ranks up to the slot width are padded with zeros in
 the store, so a batch of mixed ranks runs at the padded width R (a power of two >= 16 here).
 """
 
@@ -51,56 +52,69 @@ def _position_scores_kernel(
     RANK: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    W_TILES: tl.constexpr,  # W tiles per program, walked in a loop that reuses the x and u tiles
     HAS_LORA: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else "tf32" (the u dot; ignored for 16-bit)
     DOT_IN_FP32: tl.constexpr,  # the CPU interpreter's dot is only right in fp32
 ):
-    bh = tl.program_id(1)
+    # a 1-D grid (axis 1 would stop at 65,535 rows x heads): the (L tile, W span) programs of
+    # one (b, h) are neighbours
+    span = BLOCK_W * W_TILES
+    spans = tl.cdiv(window, span)
+    tiles = tl.cdiv(length, BLOCK_L) * spans
+    bh = tl.program_id(0) // tiles
+    tile = tl.program_id(0) % tiles
     b = bh // heads
     h = bh % heads
-    tiles_w = tl.cdiv(window, BLOCK_W)
-    offs_l = (tl.program_id(0) // tiles_w) * BLOCK_L + tl.arange(0, BLOCK_L)
-    offs_w = (tl.program_id(0) % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_l = (tile // spans) * BLOCK_L + tl.arange(0, BLOCK_L)
+    w_begin = (tile % spans) * span
+    w_end = tl.minimum(window, w_begin + span)
     cols = h * HEAD + tl.arange(0, HEAD)
     mask_l = offs_l < length
-    mask_w = offs_w < window
     rows = b.to(tl.int64) * length + offs_l
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask_l[:, None], other=0.0)  # [BL, d]
-    t = tl.load(
-        table_ptr + offs_w.to(tl.int64)[None, :] * stride_t + cols[:, None], mask=mask_w[None, :], other=0.0
-    )  # [d, BW]
     if DOT_IN_FP32:
         x = x.to(tl.float32)
-        t = t.to(tl.float32)
-    acc = tl.dot(x, t, input_precision=PRECISION)
     if HAS_LORA:
         slot = tl.load(slot_ptr + b)
-        if slot >= 0:
-            group = tl.load(group_ptr + b)
-            offs_r = tl.arange(0, RANK)
-            mask_r = offs_r < rank
-            bf = tl.load(
-                b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bo + offs_r[None, :],
-                mask=mask_r[None, :],
-                other=0.0,
-            )  # [d, R]
-            # u in fp32 operands: a 16-bit dot here that reuses the x tile of the dot above gives
-            # wrong results with Triton 3.6 on sm90 (tests/kernels/test_position_scores.py)
-            u = tl.dot(x.to(tl.float32), bf.to(tl.float32), input_precision=PRECISION)  # [BL, R]
+        group = tl.load(group_ptr + b)
+        offs_r = tl.arange(0, RANK)
+        mask_r = offs_r < tl.where(slot >= 0, rank, 0)  # no adapter: nothing read, u = 0
+        bf = tl.load(
+            b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bo + offs_r[None, :],
+            mask=mask_r[None, :],
+            other=0.0,
+        )  # [d, R]
+        # u in fp32 operands: a 16-bit dot here that reuses the x tile of the base dot gives
+        # wrong results with Triton 3.6 on sm90 (tests/kernels/test_position_scores.py)
+        u = tl.dot(x.to(tl.float32), bf.to(tl.float32), input_precision=PRECISION)  # [BL, R]
+        u = u.to(v_ptr.dtype.element_ty)  # rounded like the eager path's u
+        if DOT_IN_FP32:
+            u = u.to(tl.float32)
+    out_rows = (bh.to(tl.int64) * length + offs_l)[:, None] * window
+    for w0 in range(w_begin, w_end, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        mask_w = offs_w < w_end
+        t = tl.load(
+            table_ptr + offs_w.to(tl.int64)[None, :] * stride_t + cols[:, None], mask=mask_w[None, :], other=0.0
+        )  # [d, BW]
+        if DOT_IN_FP32:
+            t = t.to(tl.float32)
+        acc = tl.dot(x, t, input_precision=PRECISION)
+        if HAS_LORA:
             v = tl.load(
                 v_ptr + group.to(tl.int64) * stride_vg + offs_r[:, None] * stride_vr + offs_w[None, :],
                 mask=mask_r[:, None] & mask_w[None, :],
                 other=0.0,
             )  # [R, BW]
-            u = u.to(v.dtype)  # rounded like the eager path's u
             if DOT_IN_FP32:
-                u = u.to(tl.float32)
                 v = v.to(tl.float32)
             acc += tl.dot(u, v, input_precision=PRECISION)
-    out_rows = (bh.to(tl.int64) * length + offs_l)[:, None] * window
-    tl.store(
-        out_ptr + out_rows + offs_w[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & mask_w[None, :]
-    )
+        tl.store(
+            out_ptr + out_rows + offs_w[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask_l[:, None] & mask_w[None, :],
+        )
 
 
 def position_scores(
@@ -113,11 +127,16 @@ def position_scores(
     row_slots: torch.Tensor | None = None,  # int [B], -1 = no adapter
     v: torch.Tensor | None = None,  # [G, R, W], x's dtype
     row_group: torch.Tensor | None = None,  # int [B]
-    block_l: int = 64,
+    block_l: int = 128,
     block_w: int = 64,
     num_warps: int = 4,
+    w_tiles: int = 8,
 ) -> torch.Tensor:
-    """Scores [B, h, L, W] (contiguous); see the module docstring."""
+    """Scores [B, h, L, W] (contiguous); see the module docstring.
+
+    The default launch (128 x 64 tiles, the whole window of up to 512 in one program's loop)
+    was the fastest of ``perf/bench_posscores.py``'s shapes on the H200: 191-197 us per call
+    against 465-545 us for one 64 x 64 tile per program, at 256 rows of 224 tokens."""
     window, hidden = table.shape
     head = hidden // heads
     assert position_scores_supported(head) and head * heads == hidden, f"head size {head}: a power of two >= 16"
@@ -130,7 +149,8 @@ def position_scores(
     rank = lora_b.shape[2] if has_lora else 0
     out = torch.empty(batch, heads, length, window, dtype=x.dtype, device=x.device)
     ref = x  # stands in for absent LoRA operands (never read)
-    grid = (triton.cdiv(length, block_l) * triton.cdiv(window, block_w), batch * heads)
+    w_tiles = max(1, min(w_tiles, triton.cdiv(window, block_w)))
+    grid = (batch * heads * triton.cdiv(length, block_l) * triton.cdiv(window, block_w * w_tiles),)
     _position_scores_kernel[grid](
         x,
         table,
@@ -153,6 +173,7 @@ def position_scores(
         RANK=max(16, triton.next_power_of_2(max(rank, 1))),
         BLOCK_L=block_l,
         BLOCK_W=block_w,
+        W_TILES=w_tiles,
         HAS_LORA=has_lora,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=x.device.type == "cpu",

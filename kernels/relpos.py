@@ -49,12 +49,16 @@ def _relpos_bias_kernel(
     HAS_C2P: tl.constexpr,
     HAS_P2C: tl.constexpr,
 ):
-    bh = tl.program_id(1)
+    # a 1-D grid (axis 1 would stop at 65,535 rows x heads); the tiles of one (b, h) are
+    # neighbours, so the c2p/p2c rows they share are still in L2
+    tiles_j = tl.cdiv(length, BLOCK_J)
+    tiles = tl.cdiv(length, BLOCK_I) * tiles_j
+    bh = tl.program_id(0) // tiles
+    tile = tl.program_id(0) % tiles
     b = bh // heads
     h = bh % heads
-    tiles_j = tl.cdiv(length, BLOCK_J)
-    offs_i = (tl.program_id(0) // tiles_j) * BLOCK_I + tl.arange(0, BLOCK_I)
-    offs_j = (tl.program_id(0) % tiles_j) * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_i = (tile // tiles_j) * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_j = (tile % tiles_j) * BLOCK_J + tl.arange(0, BLOCK_J)
     mask_i = offs_i < length
     mask_j = offs_j < length
     inside = mask_i[:, None] & mask_j[None, :]
@@ -95,7 +99,7 @@ def relpos_bias(
     assert key_bias.shape == (batch, length)
     out = torch.empty(batch, heads, length, length, dtype=out_dtype, device=ref.device)
     c, p = (c2p if c2p is not None else ref), (p2c if p2c is not None else ref)
-    grid = (triton.cdiv(length, block_i) * triton.cdiv(length, block_j), batch * heads)
+    grid = (batch * heads * triton.cdiv(length, block_i) * triton.cdiv(length, block_j),)
     _relpos_bias_kernel[grid](
         c,
         p,

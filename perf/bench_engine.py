@@ -28,9 +28,12 @@ makes at its req/s, and that as a fraction of the GEMM rate.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -39,6 +42,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Optional
 
 import torch
 from limits import RequestShape, adapter_bytes, adapter_ranks, flop_breakdown, measure_gemm_rate
@@ -83,37 +87,94 @@ def _timings(n: int, elapsed: float, errors: int, latencies: list, split: dict) 
     }
 
 
-def run_engine_mode(engine, texts, schema, adapters, batch, warmup_batches, device):
-    from manylora.engine import Request
+def _found(value) -> int:
+    """How many items (spans, labels, relations) an answer holds: decoding work scales with it."""
+    if isinstance(value, dict):
+        return sum(_found(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_found(v) if isinstance(v, (dict, list, tuple)) else 1 for v in value)
+    return 0
 
-    requests = [Request(t, json.dumps(schema), adapter=a) for t, a in zip(texts, adapters)]
-    batches = [requests[i : i + batch] for i in range(0, len(requests), batch)]
-    for b in batches[:warmup_batches]:
-        engine.run(b)
-    _sync(device)
-    latencies, split = [], {"pre": 0.0, "core": 0.0, "post": 0.0}
-    errors = 0
+
+def _run_batch(engine, requests, device, split) -> list:
+    """One batch as the engine runs it (prepare, forward, decode), its phases added to ``split``."""
+    t0 = time.perf_counter()
+    prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
+    t1 = time.perf_counter()
+    outs = []
+    for chunk in engine._chunks(prepared):
+        c0 = time.perf_counter()
+        batch_, states, slots = engine.forward(chunk)
+        _sync(device)
+        c1 = time.perf_counter()
+        outs.extend(engine.decode(chunk, batch_, states, slots))
+        c2 = time.perf_counter()
+        split["core"] += c1 - c0
+        split["post"] += c2 - c1
+    split["pre"] += t1 - t0
+    return outs
+
+
+class EngineCase:
+    """One engine mode's closed-loop batches: ``warm()`` runs the warm-up batches, each
+    ``step()`` one timed batch; ``result()`` the fields every mode reports. Steps of several
+    cases can interleave (``--interleave``), so that a shared host's drift hits them alike."""
+
+    def __init__(self, engine, texts, schema, adapters, batch, warmup_batches, device):
+        from manylora.engine import Request
+
+        requests = [Request(t, json.dumps(schema), adapter=a) for t, a in zip(texts, adapters)]
+        batches = [requests[i : i + batch] for i in range(0, len(requests), batch)]
+        self.engine, self.device = engine, device
+        self.warmup, self.timed = batches[:warmup_batches], batches[warmup_batches:]
+        self.latencies: list[float] = []
+        self.cpu = 0.0
+        self.split = {"pre": 0.0, "core": 0.0, "post": 0.0}
+        self.errors = self.found = self.n = 0
+
+    def warm(self) -> None:
+        for b in self.warmup:
+            self.engine.run(b)
+        _sync(self.device)
+
+    def step(self, index: int) -> None:
+        b = self.timed[index]
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = _run_batch(self.engine, b, self.device, self.split)
+        self.latencies.append(time.perf_counter() - t0)
+        self.cpu += time.process_time() - c0
+        self.n += len(b)
+        self.errors += sum(not isinstance(o, dict) for o in outs)
+        self.found += sum(_found(o) for o in outs if isinstance(o, dict))
+
+    def profile(self, profile) -> None:
+        """One more batch under ``profile`` (a cProfile.Profile), after the timed ones."""
+        profile.enable()
+        _run_batch(self.engine, self.timed[-1], self.device, {"pre": 0.0, "core": 0.0, "post": 0.0})
+        profile.disable()
+
+    def result(self, elapsed: Optional[float] = None) -> dict:
+        """req/s over ``elapsed`` (default: the sum of the timed batches' latencies)."""
+        elapsed = sum(self.latencies) if elapsed is None else elapsed
+        return {
+            **_timings(self.n, elapsed, self.errors, self.latencies, self.split),
+            "found_per_request": self.found / self.n,
+            "cpu_ms_per_request": 1e3 * self.cpu / self.n,  # process CPU time: less hit by descheduling
+        }
+
+
+def run_engine_mode(engine, texts, schema, adapters, batch, warmup_batches, device, profile=None):
+    """Closed-loop batches after warm-up; with ``profile`` (a cProfile.Profile), one more
+    batch runs under it after the timed ones."""
+    case = EngineCase(engine, texts, schema, adapters, batch, warmup_batches, device)
+    case.warm()
     start = time.perf_counter()
-    for b in batches[warmup_batches:]:
-        t0 = time.perf_counter()
-        prepared = [engine.prepare(i, r) for i, r in enumerate(b)]
-        t1 = time.perf_counter()
-        outs = []
-        for chunk in engine._chunks(prepared):
-            c0 = time.perf_counter()
-            batch_, states, slots = engine.forward(chunk)
-            _sync(device)
-            c1 = time.perf_counter()
-            outs.extend(engine.decode(chunk, batch_, states, slots))
-            c2 = time.perf_counter()
-            split["core"] += c1 - c0
-            split["post"] += c2 - c1
-        split["pre"] += t1 - t0
-        errors += sum(not isinstance(o, dict) for o in outs)
-        latencies.append(time.perf_counter() - t0)
+    for index in range(len(case.timed)):
+        case.step(index)
     elapsed = time.perf_counter() - start
-    n = sum(len(b) for b in batches[warmup_batches:])
-    return _timings(n, elapsed, errors, latencies, split)
+    if profile is not None:
+        case.profile(profile)
+    return case.result(elapsed)
 
 
 class HotSwapServer:
@@ -430,9 +491,21 @@ def main(argv=None) -> int:
         help="repeat base and manylora this many times, alternating (hotswap and peft-mixed run in round 0); "
         "ratios are taken within a round, and the summary gives their median over rounds",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run the timed batches of base and every manylora case in turn, batch by batch (rotating the "
+        "order), instead of one mode after the other: a shared host's drift then hits every mode alike; "
+        "base and manylora only, with every pool resident (gpu and host slots >= the largest pool)",
+    )
     p.add_argument("--words", type=int, nargs=2, default=[60, 120])
     p.add_argument("--schema", choices=["entities", "mixed"], default="entities")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run in seconds (harness check)")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="append a cProfile table (host functions by own time) of one extra batch per engine mode here",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
@@ -447,7 +520,8 @@ def main(argv=None) -> int:
         args.checkpoint = build_demo_checkpoint(tmp / "demo-tiny", size="tiny")
         args.adapters, args.make_adapters = tmp / "adapters", 6
         args.adapters_in_flight, args.distributions = [1, 4], ["uniform"]
-        args.batch, args.batches, args.warmup, args.gpu_slots, args.host_slots = 8, 2, 1, 2, 4
+        args.batch, args.batches, args.warmup, args.host_slots = 8, 2, 1, 4
+        args.gpu_slots = 4 if args.interleave else 2  # interleaving keeps every pool resident
         args.hotswap_seconds = 2.0
     if args.make_adapters:
         template = args.adapters / "_template"
@@ -516,19 +590,82 @@ def main(argv=None) -> int:
             f"{row['mode']:10s} {row.get('adapters_in_flight', 0):5d} {row.get('distribution', '-'):8s} "
             f"{row['req_per_s']:9.1f} req/s  p95 {row['batch_p95_ms']:8.1f} ms  "
             f"{row['achieved_tflops']:9.3g} TFLOP/s ({row['fraction_of_gemm_rate']:.1%} of GEMM)  "
-            f"{row.get('split_s', '')}",
+            f"found/request {row.get('found_per_request', float('nan')):.2f}  {row.get('split_s', '')}",
             flush=True,
         )
+
+    def profiled(tag, run):
+        """``run(profile)`` with a cProfile when --profile is given; its table appended there."""
+        if not args.profile:
+            return run(None)
+        profile = cProfile.Profile()
+        result = run(profile)
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(35)
+        with open(args.profile, "a") as f:
+            f.write(f"==== {tag} (round {context['round']}): one batch, host functions by own time\n")
+            f.write(out.getvalue() + "\n")
+        return result
+
+    def fill(pool):
+        """Empty the caches, then (unless --cold) make ``pool`` resident as far as the tiers allow."""
+        engine.store.clear()
+        if not args.cold:
+            adapters = [engine.store.get(name) for name in pool]
+            for i in range(0, len(adapters), args.gpu_slots):
+                engine.store.acquire(adapters[i : i + args.gpu_slots])
+
+    def interleaved_round():
+        """Every base and manylora case of a round, their timed batches interleaved (rotating
+        order); all pools are prefixes of one pool that stays resident throughout."""
+        cases = []  # (row fields, adapters chosen, case)
+        if "base" in args.modes:
+            base_case = EngineCase(engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device)
+            cases.append(({"mode": "base"}, None, base_case))
+        fitting = [k for k in args.adapters_in_flight if k <= len(names)] if "manylora" in args.modes else []
+        for k in fitting:
+            for dist in args.distributions:
+                chosen = pick_adapters(names[:k], n_requests, dist, seed=k)
+                row = {"mode": "manylora", "adapters_in_flight": k, "distribution": dist}
+                cases.append((row, chosen, EngineCase(engine, texts, schema, chosen, args.batch, args.warmup, device)))
+        fill(names[: max(fitting, default=0)])
+        for _, _, case in cases:
+            case.warm()
+        for index in range(args.batches):
+            shift = index % len(cases)
+            for _, _, case in cases[shift:] + cases[:shift]:
+                case.step(index)
+        for row, chosen, case in cases:
+            tag = " ".join(str(row[key]) for key in ("mode", "adapters_in_flight", "distribution") if key in row)
+            profiled(tag, lambda prof, case=case: prof is not None and case.profile(prof))
+            extra = {"loads": dict(engine.store.loads), "caches": "cold" if args.cold else "preloaded"}
+            emit({**row, **case.result(), **(extra if chosen else {}), "interleaved": True}, chosen)
+
+    if args.interleave:
+        unfit = [m for m in args.modes if m not in ("base", "manylora")]
+        largest = max(args.adapters_in_flight, default=0)
+        if unfit or largest > min(args.gpu_slots, args.host_slots):
+            p.error(
+                f"--interleave: only base and manylora, every pool resident (modes {unfit}, largest pool {largest})"
+            )
 
     peft_mixed = None
     for round_ in range(args.rounds):
         context["round"] = round_
         first = round_ == 0
+        if args.interleave:
+            interleaved_round()
+            continue
         if "base" in args.modes:
             emit(
                 {
                     "mode": "base",
-                    **run_engine_mode(engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device),
+                    **profiled(
+                        "base",
+                        lambda prof: run_engine_mode(
+                            engine, texts, schema, [""] * n_requests, args.batch, args.warmup, device, prof
+                        ),
+                    ),
                 }
             )
         for k in args.adapters_in_flight:
@@ -539,12 +676,13 @@ def main(argv=None) -> int:
             for dist in args.distributions:
                 chosen = pick_adapters(pool, n_requests, dist, seed=k)
                 if "manylora" in args.modes:
-                    engine.store.clear()
-                    if not args.cold:  # steady state: the pool is resident as far as the tiers allow
-                        adapters = [engine.store.get(name) for name in pool]
-                        for i in range(0, len(adapters), args.gpu_slots):
-                            engine.store.acquire(adapters[i : i + args.gpu_slots])
-                    r = run_engine_mode(engine, texts, schema, chosen, args.batch, args.warmup, device)
+                    fill(pool)
+                    r = profiled(
+                        f"manylora {k} {dist}",
+                        lambda prof: run_engine_mode(
+                            engine, texts, schema, chosen, args.batch, args.warmup, device, prof
+                        ),
+                    )
                     emit(
                         {
                             "mode": "manylora",
@@ -603,9 +741,15 @@ def main(argv=None) -> int:
                 for r in rows
                 if r["mode"] == "manylora" and (r["adapters_in_flight"], r["distribution"]) == (k, dist) and base_of(r)
             ]
+            cpu = [
+                r["cpu_ms_per_request"] / base_of(r)["cpu_ms_per_request"]
+                for r in rows
+                if r["mode"] == "manylora" and (r["adapters_in_flight"], r["distribution"]) == (k, dist) and base_of(r)
+            ]
             if ratios:
                 print(
                     f"  {k:5d} {dist:8s} median {statistics.median(ratios):.3f}  rounds {[round(x, 3) for x in ratios]}"
+                    f"  (process CPU per request x base: median {statistics.median(cpu):.3f})"
                 )
     return 0
 

@@ -20,7 +20,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import Timer  # noqa: E402
 
-CONFIGS = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (64, 256, 8)]
+# (block_l, block_w, num_warps, w_tiles): W tiles one program walks, reusing its x and u tiles
+CONFIGS = [
+    (64, 64, 4, 1),
+    (64, 128, 4, 1),
+    (64, 64, 4, 2),
+    (64, 64, 4, 8),
+    (64, 128, 4, 4),
+    (128, 64, 4, 8),
+    (128, 64, 8, 8),
+    (128, 128, 8, 4),
+    (32, 64, 4, 8),
+    (32, 128, 4, 4),
+]
 
 
 def make_case(batch, length, heads, head, window, rank, groups, device, dtype=torch.bfloat16, seed=0):
@@ -66,14 +78,21 @@ def main(argv=None) -> int:
         rows.append({**case, "variant": "eager base (no LoRA)", "us": us})
         us = timer(lambda: _position_scores(x, table, lora, batch, length, heads, "torch"))
         rows.append({**case, "variant": "eager LoRA", "us": us})
-        for bl, bw, warps in CONFIGS:
-            fn = lambda: position_scores(  # noqa: E731
-                x, table, batch, length, heads, lora_b, row_slots, v, row_group, bl, bw, warps
+        eager = _position_scores(x, table, lora, batch, length, heads, "torch").float()
+        for bl, bw, warps, tiles in CONFIGS:
+            config = (bl, bw, warps, tiles)
+            got = position_scores(
+                x[: 4 * length], table, 4, length, heads, lora_b, row_slots[:4], v, row_group[:4], *config
             )
-            rows.append({**case, "variant": f"fused LoRA {bl}x{bw} w{warps}", "us": timer(fn)})
-        bl, bw, warps = CONFIGS[0]
-        fn = lambda: position_scores(x, table, batch, length, heads, block_l=bl, block_w=bw, num_warps=warps)  # noqa: E731
-        rows.append({**case, "variant": "fused base (no LoRA)", "us": timer(fn)})
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)  # every shape checked before timing
+            full = position_scores(x, table, batch, length, heads, lora_b, row_slots, v, row_group, *config)
+            torch.testing.assert_close(full.float(), eager, atol=2 * atol, rtol=2 * rtol)  # all rows: both bf16
+            del full
+            fn = lambda: position_scores(x, table, batch, length, heads, lora_b, row_slots, v, row_group, *config)  # noqa: E731
+            rows.append({**case, "variant": f"fused LoRA {bl}x{bw} w{warps} t{tiles}", "us": timer(fn)})
+        for config in (CONFIGS[0], CONFIGS[3]):
+            fn = lambda: position_scores(x, table, batch, length, heads, None, None, None, None, *config)  # noqa: E731
+            rows.append({**case, "variant": "fused base {}x{} w{} t{}".format(*config), "us": timer(fn)})
     if args.out:
         with args.out.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -59,6 +59,29 @@ def test_matches_reference(device, dtype, batch, length, heads, head, window, ra
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block_l,block_w,num_warps,w_tiles",
+    [
+        (64, 64, 4, 1),  # one W tile per program
+        (64, 64, 4, 8),  # the whole window in one program's loop (clamped to the tiles there are)
+        (32, 64, 4, 2),  # W spans of two tiles, the last one partial
+        (64, 128, 4, 4),
+        (128, 64, 8, 3),
+    ],
+)
+def test_tile_shapes_and_w_loops_match_reference(device, dtype, block_l, block_w, num_warps, w_tiles):
+    """Every launch shape the benchmark tries gives the reference's scores (ragged L and W, a base row)."""
+    batch, length, heads, window = 3, 70, 2, 200
+    x, table, lora_b, row_slots, v, row_group = _case(batch, length, heads, 64, window, 16, 4, dtype, device, seed=3)
+    got = position_scores(
+        x, table, batch, length, heads, lora_b, row_slots, v, row_group, block_l, block_w, num_warps, w_tiles
+    )
+    want = position_scores_ref(x, table, batch, length, heads, lora_b, row_slots, v, row_group)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_lora_is_the_base_gemm(device, dtype):
     x, table, *_ = _case(3, 21, 4, 16, 45, 16, 2, dtype, device, seed=2)
     got = position_scores(x, table, 3, 21, 4)

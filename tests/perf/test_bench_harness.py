@@ -51,6 +51,33 @@ def test_engine_benchmark_smoke_writes_every_mode(tmp_path):
     assert "x hotswap" in proc.stdout and "x peft-mixed" in proc.stdout, "the ratio table is printed last"
 
 
+def test_engine_benchmark_interleaved_rounds(tmp_path):
+    """--interleave: base and every manylora case per round, each with its answers counted; the
+    --profile tables name every case of every round."""
+    out, profile = tmp_path / "engine.jsonl", tmp_path / "profile.txt"
+    proc = subprocess.run(
+        [sys.executable, str(PERF / "bench_engine.py"), "--smoke", "--modes", "base", "manylora", "--interleave"]
+        + ["--rounds", "2", "--profile", str(profile), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in map(json.loads, out.read_text().splitlines()) if r["mode"] != "gemm_rate"]
+    cases = [(r["round"], r["mode"], r.get("adapters_in_flight")) for r in rows]
+    assert cases == [(n, m, k) for n in (0, 1) for m, k in (("base", None), ("manylora", 1), ("manylora", 4))]
+    for row in rows:
+        assert row["interleaved"] and row["errors"] == 0 and row["requests"] == 16  # 2 timed batches of 8
+        assert row["found_per_request"] > 0 and row["cpu_ms_per_request"] > 0
+        assert row["req_per_s"] == pytest.approx(row["requests"] / row["seconds"])
+    assert all(r["loads"]["gpu"] >= 4 for r in rows if r["mode"] == "manylora"), "the largest pool was made resident"
+    tables = profile.read_text()
+    for n in (0, 1):
+        for tag in ("base", "manylora 1 uniform", "manylora 4 uniform"):
+            assert f"==== {tag} (round {n})" in tables
+    assert "median" in proc.stdout and "process CPU per request x base" in proc.stdout
+
+
 def test_perf_analyzer_input_data(tmp_path):
     names = [f"adapter-{i:05d}" for i in range(50)]
     path = bench_server.make_input_data(tmp_path / "data.json", 64, names, "zipf", seed=3)
