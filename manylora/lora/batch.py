@@ -6,6 +6,7 @@ sorted by slot, so each adapter's tokens are contiguous and form one SGMV segmen
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -105,5 +106,23 @@ class LoraBatch:
         store = self.store
         a = store.a[name].index_select(0, self.group_slots)  # [G, R, in]
         scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter  # [G]
-        v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
+        with _exact_tf32(window.dtype):
+            v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
         return PositionLora(store.b[name], v.to(window.dtype), self.row_slots, self.row_group)
+
+
+@contextmanager
+def _exact_tf32(dtype: torch.dtype):
+    """Let float32 CUDA GEMMs of 16-bit values run on TF32 tensor cores: a bf16 or fp16 value
+    fits TF32's 10-bit mantissa exactly and products accumulate in float32, so the result is
+    the float32 GEMM's up to summation order, several times faster (cuBLAS' plain float32
+    kernel was 1.7 ms of a 1,024-adapter forward on the H200). Float32 inputs keep float32."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
