@@ -62,10 +62,13 @@ def sgmv_expand_ref(
     y: torch.Tensor,  # [T, >= y_offset + H_out], updated in place
     ranks: torch.Tensor | None = None,  # int [num_slots]
     y_offset: int = 0,
+    accumulate: bool = True,
+    bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
 ) -> torch.Tensor:
     """Semantics (same as sgmv_expand):
         for each token t with slot s = slot(t) >= 0, r = rank(s):
             y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
+        or, with accumulate=False, = bias (0 if None) + the same update;
         rows of slot -1 are left untouched.
     Updates y in place and returns it.
     """
@@ -79,7 +82,11 @@ def sgmv_expand_ref(
         rank = _slot_rank(ranks_host, slot, r_max)
         delta = v[start:end, :rank].float() @ lora_b[slot, :, :rank].float().t()
         y_rows = y_cols[start:end]
-        y_rows.copy_((y_rows.float() + scales_host[slot] * delta).to(y.dtype))
+        if accumulate:
+            before = y_rows.float()
+        else:
+            before = torch.zeros(h_out) if bias is None else bias.float()
+        y_rows.copy_((before + scales_host[slot] * delta).to(y.dtype))
     return y
 
 

@@ -37,6 +37,7 @@ def _sgmv_expand_kernel(
     y_ptr,  # [T, >= y_offset + H_out] updated in place, unit stride on H
     scales_ptr,  # fp32 [num_slots]
     ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
+    bias_ptr,  # [H_out] added when writing (unused unless HAS_BIAS)
     tiles_ptr,  # int32 [1 + 3 * tile_cap]: num_tiles, then (slot, start, end) per tile (meta.py)
     # sizes
     h_out,
@@ -53,6 +54,8 @@ def _sgmv_expand_kernel(
     BLOCK_R: tl.constexpr,  # rank tile (the dot's K), >= 16
     EVEN_N: tl.constexpr,  # H_out % BLOCK_N == 0: no mask on the output columns
     HAS_RANKS: tl.constexpr,  # mask rank columns r >= ranks[slot]
+    ACCUMULATE: tl.constexpr,  # y += update (read-modify-write); else y = bias + update (write only)
+    HAS_BIAS: tl.constexpr,  # only when writing
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights, else "tf32" (ignored for 16-bit)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the CPU interpreter multiplies bf16 as raw bits
 ):
@@ -94,8 +97,12 @@ def _sgmv_expand_kernel(
             y_mask = mask_m[:, None]
         else:
             y_mask = mask_m[:, None] & mask_n[None, :]
-        y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y_tile + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+        out = scale * acc
+        if ACCUMULATE:
+            out += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        elif HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def sgmv_expand(
@@ -107,11 +114,16 @@ def sgmv_expand(
     ranks: torch.Tensor | None = None,  # int32 [num_slots]; None = every slot has rank R_max
     y_offset: int = 0,  # first column of y that this op writes
     config: dict | None = None,  # forced launch config (tests, tuning); None = table lookup
+    accumulate: bool = True,
+    bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0, r = rank(s):
             y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
                                                  [r] x [r, H_out] -> [H_out], fp32 accumulate
+        With accumulate=False the row is written instead of updated (y is never read):
+            y[t, y_offset : y_offset + H_out] = bias + scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
+        (bias None: 0), so that the base GEMM can add itself afterwards in its epilogue.
         Rows of slot -1 (no adapter) are left untouched, as are all other columns of y.
     Mutates y in place and returns it. Every adapter's rank must be <= meta.max_rank when
     that is set. v and y may be strided views with unit stride on their last axis.
@@ -142,6 +154,9 @@ def sgmv_expand(
     assert ranks is None or (ranks.dtype == torch.int32 and ranks.shape == (num_slots,)), (
         f"ranks must be int32 [num_slots={num_slots}]"
     )
+    assert bias is None or (not accumulate and bias.shape == (h_out,) and bias.stride(0) == 1), (
+        f"bias [H_out={h_out}] (contiguous) is only added when writing (accumulate=False)"
+    )
     rank_cap = min(r_max, meta.max_rank or r_max)
     block_r = rank_block(rank_cap)
     assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
@@ -156,6 +171,7 @@ def sgmv_expand(
         y,
         scales,
         tiles.packed if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
+        y if bias is None else bias,  # any pointer when HAS_BIAS is off
         tiles.packed,
         h_out,
         rank_cap,
@@ -169,6 +185,8 @@ def sgmv_expand(
         BLOCK_R=block_r,
         EVEN_N=h_out % config["BLOCK_N"] == 0,
         HAS_RANKS=ranks is not None,
+        ACCUMULATE=accumulate,
+        HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=y.device.type == "cpu",
         num_warps=config["num_warps"],

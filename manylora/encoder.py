@@ -62,6 +62,10 @@ class AdapterLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor, lora: Optional["LoraBatch"] = None) -> torch.Tensor:
+        if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
+            y = x.new_empty(x.shape[0], self.out_features)
+            lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
+            return y.addmm_(x, self.weight.t())  # + x Wᵀ, y read in the GEMM's epilogue
         y = F.linear(x, self.weight, self.bias)
         if lora is not None:
             lora.apply(self.name, x, y)
@@ -300,6 +304,8 @@ class Encoder(nn.Module):
         self.register_buffer("pos_k", torch.stack(pos_k).detach().clone(), persistent=False)
         # attention-bias backend ("triton" / "torch"); None: triton on CUDA, torch elsewhere
         self.backend: Optional[str] = None
+        # LoRA update written before the base GEMM when every row has an adapter (LoraBatch.writes_first)
+        self.lora_write_first = True
 
     def linears(self) -> dict[str, AdapterLinear]:
         return {m.name: m for m in self.modules() if isinstance(m, AdapterLinear)}

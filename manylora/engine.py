@@ -270,7 +270,13 @@ class Engine:
             if input_ids.numel() > self.meta_builder.max_tokens:  # one request above the budget
                 self.meta_builder = SgmvMetaBuilder(input_ids.numel(), self.device)
             lora = LoraBatch(
-                self.store, self.meta_builder, slot_per_row, input_ids.shape[1], targets, self.config.backend
+                self.store,
+                self.meta_builder,
+                slot_per_row,
+                input_ids.shape[1],
+                targets,
+                self.config.backend,
+                self.encoder.lora_write_first,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

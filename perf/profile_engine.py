@@ -154,6 +154,23 @@ def main(argv=None) -> int:
                 f"{sum(bool(d) for d in diffs)}/{len(diffs)} {[d for d in diffs if d][:3]}"
             )
 
+        if names:  # the LoRA update after each base GEMM, against written first (LoraBatch.writes_first)
+            forward_by, states_by = {}, {}
+            for write_first in (False, True):
+                engine.encoder.lora_write_first = write_first
+                states_by[write_first] = engine.forward(list(chunk))[1].float()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    engine.forward(list(chunk))
+                sync()
+                forward_by["written first" if write_first else "update after"] = 1e3 * (time.perf_counter() - t0) / 5
+            gap = (states_by[False] - states_by[True]).abs()
+            print(
+                f"{tag} forward ms by LoRA order: {forward_by}; encoder states differ by {gap.max().item():.3g} "
+                f"(mean {gap.mean().item():.3g})"
+            )
+
         if device.startswith("cuda"):  # a host sync inside forward serialises launch and GPU time
             import traceback
             import warnings

@@ -51,12 +51,16 @@ class LoraBatch:
         row_len: int,
         targets: set[str],
         backend: str,
+        write_first: bool = True,
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
         self.backend = backend
         self.targets = targets  # modules that at least one adapter of this batch adapts
         used = [s for s in slot_per_row if s >= 0]
+        # every row has an adapter: a target's output can be written as bias + update first, and
+        # the base GEMM add itself in its epilogue (see writes_first)
+        self.write_first = write_first and len(used) == len(slot_per_row) > 0
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -71,8 +75,24 @@ class LoraBatch:
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
 
-    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += each token's scale * (x A^T) B^T for its row's adapter (in place)."""
+    def writes_first(self, name: str) -> bool:
+        """Whether ``name``'s output is better built as ``apply(accumulate=False)`` (bias plus each
+        token's update, y never read) followed by the base GEMM accumulating into it
+        (``y.addmm_(x, Wᵀ)``): the update then costs one write of y instead of a read and a
+        write after the GEMM, and the GEMM reads y in its epilogue while it is compute-bound.
+        Only when every row has an adapter (rows of slot -1 are not written)."""
+        return self.write_first and name in self.targets
+
+    def apply(
+        self,
+        name: str,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        accumulate: bool = True,
+        bias: Optional[torch.Tensor] = None,
+    ) -> None:
+        """y += each token's scale * (x A^T) B^T for its row's adapter (in place); with
+        ``accumulate=False``, y = bias + that update (y is not read)."""
         if name not in self.targets:
             return
         store = self.store
@@ -91,6 +111,8 @@ class LoraBatch:
             backend=self.backend,
             ranks=store.ranks,
             v=v,
+            accumulate=accumulate,
+            bias=bias,
         )
 
     def position_factors(self, name: str, window: torch.Tensor) -> Optional[PositionLora]:

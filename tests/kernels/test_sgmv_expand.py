@@ -142,3 +142,35 @@ def test_every_config(device, config):
     gen = torch.Generator().manual_seed(8)
     slots = make_slot_per_token("skewed", 300 if device == "cuda" else 70, NUM_SLOTS, True, gen)
     run_and_check(device, slots, 200, 16, torch.bfloat16, config=config)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h_out,y_offset,y_width", [(200, 0, 200), (37, 13, 101)], ids=["even", "odd_slice"])
+def test_write_mode_never_reads_y(device, dtype, with_bias, h_out, y_offset, y_width):
+    """accumulate=False writes bias + update (for the base GEMM to add itself afterwards): the old
+    contents of adapter rows are never read (NaN there stays out), slot -1 rows and the columns
+    outside the slice stay as they were, and the values are the float32 definition's."""
+    gen = torch.Generator().manual_seed(11)
+    slots = make_slot_per_token("skewed", 150, NUM_SLOTS, True, gen)
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, h_out, dtype, device, gen)
+    v = torch.randn(len(slots), 16, generator=gen).to(device)
+    bias = torch.randn(h_out, generator=gen).to(device, dtype) if with_bias else None
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    adapted = torch.tensor(slots, device=device) >= 0
+    y_before = torch.randn(len(slots), y_width, generator=gen).to(device, dtype)
+    y_before[adapted, y_offset : y_offset + h_out] = float("nan")
+    got, want = y_before.clone(), y_before.clone()
+    sgmv_expand(v, lora_b, scales, meta, got, None, y_offset, accumulate=False, bias=bias)
+    sgmv_expand_ref(v, lora_b, scales, meta, want, None, y_offset, accumulate=False, bias=bias)
+    assert not got[adapted, y_offset : y_offset + h_out].isnan().any(), "y was read"
+    assert_close(got, want, dtype)
+    slot_index = torch.tensor(slots, device=device).clamp(min=0)
+    update = torch.einsum("tr,tor->to", v.float(), lora_b[slot_index].float()) * scales[slot_index, None]
+    defined = update + (0 if bias is None else bias.float())
+    assert_close(got[adapted, y_offset : y_offset + h_out], defined[adapted].to(dtype), dtype)
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # noqa: E731
+    assert same(got[~adapted], y_before[~adapted]), "rows of slot -1 must stay untouched"
+    outside = torch.ones(y_width, dtype=torch.bool, device=device)
+    outside[y_offset : y_offset + h_out] = False
+    assert same(got[:, outside], y_before[:, outside]), "columns outside the slice must stay untouched"

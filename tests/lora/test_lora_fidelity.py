@@ -130,3 +130,41 @@ def test_position_kernel_equals_the_eager_path_in_the_engine(tiny_checkpoint, de
     if kernel_answers is not None:
         diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(kernel_answers, eager_answers)]
         assert diffs == [[]] * len(requests)
+
+
+def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adapters, monkeypatch):
+    """Every row with an adapter: each target's output is written as bias + update, then the base
+    GEMM adds itself (LoraBatch.writes_first). Same encoder states and answers as updating the
+    GEMM's output afterwards, and the write path really ran; with one base row it does not."""
+    import torch
+
+    from manylora import kernels
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
+    engine = Engine(EngineConfig.from_parameters({**values, "dtype": "float32"}, device=device))
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", "enc-r8"]
+    schema = json.dumps(demo_schemas()[0])
+    texts = demo_texts(len(names), seed=23, min_words=10, max_words=30)
+    requests = [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)]
+    modes = []
+    apply = kernels.lora_apply
+    monkeypatch.setattr(kernels, "lora_apply", lambda *a, **k: modes.append(k["accumulate"]) or apply(*a, **k))
+
+    def run(write_first: bool, batch):
+        engine.encoder.lora_write_first = write_first
+        modes.clear()
+        with torch.inference_mode():
+            (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(batch)])
+            states = engine.forward(list(chunk))[1]
+        return states, engine.run(batch), list(modes)
+
+    written, written_answers, written_modes = run(True, requests)
+    updated, updated_answers, updated_modes = run(False, requests)
+    assert written_modes and not any(written_modes), "every target was written first"
+    assert updated_modes and all(updated_modes)
+    torch.testing.assert_close(written, updated, atol=1e-5, rtol=1e-5)
+    diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(written_answers, updated_answers)]
+    assert diffs == [[]] * len(requests)
+    with_base = requests[:-1] + [Request(texts[-1], schema, adapter="", include_confidence=True)]
+    assert all(run(True, with_base)[2]), "a row without an adapter: the update goes after the GEMM"
