@@ -85,7 +85,7 @@ def sgmv_expand_ref(
         if accumulate:
             before = y_rows.float()
         else:
-            before = torch.zeros(h_out) if bias is None else bias.float()
+            before = torch.zeros(h_out, device=y.device) if bias is None else bias.float()
         y_rows.copy_((before + scales_host[slot] * delta).to(y.dtype))
     return y
 
