@@ -9,9 +9,11 @@ on 256 rows of 224 tokens, each row with its own adapter out of 1,024 rank-16 sl
                 adding itself in its epilogue (y.addmm_(x, Wᵀ)): LoraBatch.writes_first
   addmm_ alone  the epilogue-reading GEMM by itself
 
-Both LoRA forms are checked against each other before timing.
+Both LoRA forms are checked against each other before timing. ``--sweep`` also times every
+candidate launch config of bench_kernels' sweep for shrink and for expand (both modes) on
+these shapes and prints the best (the config table's largest bucket serves them).
 
-    python perf/bench_lora_linear.py [--out results.jsonl]     # CUDA
+    python perf/bench_lora_linear.py [--sweep] [--out results.jsonl]     # CUDA
 
 Times are device microseconds per call (bench_kernels.Timer: L2 flushed, median).
 """
@@ -30,6 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import Timer  # noqa: E402
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
+# --sweep candidates: bench_kernels' grids around the large-batch corner (BLOCK_M >= 32)
+SWEEP_SHRINK = [
+    {"BLOCK_M": m, "BLOCK_K": k, "num_warps": w, "num_stages": 3}
+    for m in (32, 64, 128)
+    for k in (64, 128, 256)
+    for w in (4, 8)
+]
+SWEEP_EXPAND = [
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
+    for m in (32, 64, 128)
+    for n in (64, 128, 256)
+    for w in (4, 8)
+]
 
 
 def main(argv=None) -> int:
@@ -38,6 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=224)
     p.add_argument("--slots", type=int, default=1024)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--sweep", action="store_true", help="time every candidate shrink/expand config too")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     from manylora import kernels
@@ -80,11 +96,45 @@ def main(argv=None) -> int:
             ("addmm_ alone", lambda: y_fixed.addmm_(x, weight.t())),
         ):
             rows.append({**case, "variant": variant, "us": timer(fn), "max_gap": gap})
+        if args.sweep:
+            from manylora.kernels.sgmv_expand import sgmv_expand
+            from manylora.kernels.sgmv_shrink import sgmv_shrink
+
+            kernels.shrink(x, lora_a, meta, v)
+            candidates = [("shrink", c, lambda c=c: sgmv_shrink(x, lora_a, meta, v, config=c)) for c in SWEEP_SHRINK]
+            candidates.append(("shrink", "table", lambda: sgmv_shrink(x, lora_a, meta, v)))
+            for accumulate in (True, False):
+                op = "expand" if accumulate else "expand write"
+                y = torch.empty(tokens, h_out, dtype=dtype, device=device)
+                candidates += [
+                    (
+                        op,
+                        c,
+                        lambda c=c, a=accumulate, y=y: sgmv_expand(v, lora_b, scales, meta, y, config=c, accumulate=a),
+                    )
+                    for c in SWEEP_EXPAND
+                ]
+                candidates.append(
+                    (op, "table", lambda a=accumulate, y=y: sgmv_expand(v, lora_b, scales, meta, y, accumulate=a))
+                )
+            best: dict = {}
+            table: dict = {}
+            for op, config, fn in candidates:
+                us = timer(fn)
+                rows.append({**case, "variant": f"sweep {op}", "config": config, "us": us})
+                if config == "table":
+                    table[op] = us
+                elif op not in best or us < best[op][0]:
+                    best[op] = (us, config)
+            for op, (us, config) in best.items():
+                print(f"{h_in}->{h_out} {op:12s} table {table[op]:8.1f} us, best {us:8.1f} us {config}", flush=True)
     if args.out:
         with args.out.open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     print(f"{'shape':>12}  {'variant':<14} {'us':>9}  {'LoRA us':>8}")
     for r in rows:
+        if "config" in r:
+            continue
         base = next(
             b["us"] for b in rows if b["variant"] == "base" and b["h_in"] == r["h_in"] and b["h_out"] == r["h_out"]
         )
