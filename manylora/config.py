@@ -43,6 +43,11 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
+def _threads(key: str, raw: str) -> int:
+    """'auto' (0: the host's cores shared by the instances) or a positive thread count."""
+    return 0 if raw.strip() == "auto" else _positive_int(key, raw.strip())
+
+
 def _preload(key: str, raw: str) -> str:
     names = [n.strip() for n in raw.split(",")]
     if raw.strip() != "all" and not all(names):
@@ -77,6 +82,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     preload_adapters: str = ""
     control_dir: str = "auto"
+    cpu_threads: int = 0  # 0 = auto
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -106,6 +112,11 @@ class EngineConfig:
             _preload,
             False,
             "adapters loaded at model load: 'all' (as many as the tiers hold) or a comma list",
+        ),
+        "cpu_threads": (
+            _threads,
+            False,
+            "torch CPU threads of each instance: auto = the host's cores / instances on it, or a count",
         ),
         "control_dir": (
             _control_dir,

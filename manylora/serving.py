@@ -70,10 +70,10 @@ class TritonModelHandler:
         device = instance_device(args)
         import torch
 
-        torch.set_num_threads(threads_per_instance(model_config, os.cpu_count() or 1))
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
+        torch.set_num_threads(config.cpu_threads or threads_per_instance(model_config, os.cpu_count() or 1))
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
         self.engine = Engine(config)
         from manylora.control import attach_control

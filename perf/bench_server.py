@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-slots", type=int, default=32)
     p.add_argument("--host-slots", type=int, default=128)
     p.add_argument("--max-rank", type=int, default=16)
+    p.add_argument("--cpu-threads", default="auto", help="torch CPU threads per instance (config cpu_threads)")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--delay-us", type=int, default=2000)
     p.add_argument("--requests", type=int, default=2048, help="distinct requests in the input data")
@@ -195,6 +196,7 @@ def main(argv=None) -> int:
         params = {
             "checkpoint": str(args.checkpoint.resolve()),
             "max_gpu_adapters": str(args.gpu_slots),
+            "cpu_threads": args.cpu_threads,
             "max_cpu_adapters": str(max(args.host_slots, args.gpu_slots)),
             "max_lora_rank": str(args.max_rank),
         }

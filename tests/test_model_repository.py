@@ -53,6 +53,8 @@ def test_committed_parameters_load_as_they_are(tmp_path, tiny_checkpoint, demo_a
         ({"gpu_slots": "4"}, "unknown parameter"),
         ({"max_gpu_adapters": "many"}, "'max_gpu_adapters'"),
         ({"max_gpu_adapters": "0"}, "'max_gpu_adapters'"),
+        ({"cpu_threads": "0"}, "'cpu_threads'"),
+        ({"cpu_threads": "some"}, "'cpu_threads'"),
         ({"dtype": "${DTYPE}"}, "unfilled template"),
         ({"dtype": "float64"}, "'dtype'"),
         ({"kernel_backend": "cuda"}, "'kernel_backend'"),
@@ -86,6 +88,12 @@ def test_readme_documents_every_parameter():
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{key}` |")), None)
         assert row is not None, f"README's parameter table lacks {key}"
         assert ("mandatory" in row) == mandatory, row
+
+
+def test_cpu_threads_parameter(tiny_checkpoint):
+    parse = lambda **p: EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **p})  # noqa: E731
+    assert parse().cpu_threads == 0 and parse(cpu_threads="auto").cpu_threads == 0  # 0: threads_per_instance
+    assert parse(cpu_threads=" 1 ").cpu_threads == 1 and parse(cpu_threads="6").cpu_threads == 6
 
 
 def test_threads_per_instance_share_the_host():
