@@ -129,17 +129,21 @@ def main(argv=None) -> int:
         # attention-bias backends side by side: forward time and answers
         from manylora.compare import result_differences
 
+        def states_and_forward_ms(repeats: int = 5):
+            """The chunk's encoder states (float32), and its mean forward wall time over ``repeats``."""
+            states = engine.forward(list(chunk))[1].float()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                engine.forward(list(chunk))
+            sync()
+            return states, 1e3 * (time.perf_counter() - t0) / repeats
+
         answers, forward_ms, states_by = {}, {}, {}
         for backend in ("torch", "triton") if device.startswith("cuda") else ("torch",):
             engine.encoder.backend = backend
             answers[backend] = engine.run(requests)
-            states_by[backend] = engine.forward(list(chunk))[1].float()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(5):
-                engine.forward(list(chunk))
-            sync()
-            forward_ms[backend] = 1e3 * (time.perf_counter() - t0) / 5
+            states_by[backend], forward_ms[backend] = states_and_forward_ms()
         engine.encoder.backend = None
         if len(answers) == 2:
             # in bf16 the demo checkpoint's answers move with one-ulp changes of its (very large)
@@ -158,13 +162,9 @@ def main(argv=None) -> int:
             forward_by, states_by = {}, {}
             for write_first in (False, True):
                 engine.encoder.lora_write_first = write_first
-                states_by[write_first] = engine.forward(list(chunk))[1].float()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    engine.forward(list(chunk))
-                sync()
-                forward_by["written first" if write_first else "update after"] = 1e3 * (time.perf_counter() - t0) / 5
+                states_by[write_first], forward_by["written first" if write_first else "update after"] = (
+                    states_and_forward_ms()
+                )
             gap = (states_by[False] - states_by[True]).abs()
             print(
                 f"{tag} forward ms by LoRA order: {forward_by}; encoder states differ by {gap.max().item():.3g} "
