@@ -135,8 +135,8 @@ def position_scores(
     """Scores [B, h, L, W] (contiguous); see the module docstring.
 
     The default launch (128 x 64 tiles, the whole window of up to 512 in one program's loop)
-    was the fastest of ``perf/bench_posscores.py``'s shapes on the H200: 191-197 us per call
-    against 465-545 us for one 64 x 64 tile per program, at 256 rows of 224 tokens."""
+    was the fastest of ``perf/bench_posscores.py``'s shapes on the H200: 185-189 us per call
+    against 408-414 us for one 64 x 64 tile per program, at 256 rows of 224 tokens."""
     window, hidden = table.shape
     head = hidden // heads
     assert position_scores_supported(head) and head * heads == hidden, f"head size {head}: a power of two >= 16"

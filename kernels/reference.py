@@ -73,6 +73,7 @@ def sgmv_expand_ref(
     Updates y in place and returns it.
     """
     h_out, r_max = lora_b.shape[1], lora_b.shape[2]
+    assert bias is None or not accumulate, "bias is only added when writing (accumulate=False)"
     ranks_host = None if ranks is None else ranks.tolist()
     scales_host = scales.tolist()
     y_cols = y[:, y_offset : y_offset + h_out]

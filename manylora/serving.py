@@ -52,6 +52,11 @@ def threads_per_instance(model_config: dict, cpu_count: int) -> int:
     return max(1, cpu_count // max(1, instances))
 
 
+def instance_threads(cpu_threads: int, model_config: dict, cpu_count: int) -> int:
+    """The ``cpu_threads`` parameter when set (> 0), else the host's share (threads_per_instance)."""
+    return cpu_threads if cpu_threads > 0 else threads_per_instance(model_config, cpu_count)
+
+
 def instance_device(args: dict) -> str:
     if args.get("model_instance_kind") == "GPU":
         return f"cuda:{int(args.get('model_instance_device_id', 0))}"
@@ -73,7 +78,7 @@ class TritonModelHandler:
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
-        torch.set_num_threads(config.cpu_threads or threads_per_instance(model_config, os.cpu_count() or 1))
+        torch.set_num_threads(instance_threads(config.cpu_threads, model_config, os.cpu_count() or 1))
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
         self.engine = Engine(config)
         from manylora.control import attach_control

@@ -87,13 +87,25 @@ def _timings(n: int, elapsed: float, errors: int, latencies: list, split: dict) 
     }
 
 
-def _found(value) -> int:
-    """How many items (spans, labels, relations) an answer holds: decoding work scales with it."""
+def _found(answer: dict) -> int:
+    """How many items (spans, labels, relations) an answer holds: decoding work scales with it.
+
+    An item is a leaf under a task of the answer: a non-empty string or a number, a relation
+    tuple, or a dict of plain values (``{"text", "confidence", ...}``)."""
+    return sum(_items(value) for value in answer.values())
+
+
+def _items(value) -> int:
+    containers = (dict, list, tuple)
     if isinstance(value, dict):
-        return sum(_found(v) for v in value.values())
+        if not any(isinstance(v, containers) for v in value.values()):
+            return 1 if value else 0  # one item with fields
+        return sum(_items(v) for v in value.values())
+    if isinstance(value, tuple) and not any(isinstance(v, containers) for v in value):
+        return 1  # a relation (head, tail)
     if isinstance(value, (list, tuple)):
-        return sum(_found(v) if isinstance(v, (dict, list, tuple)) else 1 for v in value)
-    return 0
+        return sum(_items(v) for v in value)
+    return 0 if value in ("", None) else 1
 
 
 def _run_batch(engine, requests, device, split) -> list:
@@ -131,6 +143,8 @@ class EngineCase:
         self.cpu = 0.0
         self.split = {"pre": 0.0, "core": 0.0, "post": 0.0}
         self.errors = self.found = self.n = 0
+        self.loads: dict = {}  # adapter loads (per tier) while this case's timed batches ran
+        self.peak_mib = 0.0  # CUDA: the largest peak allocation of its timed batches
 
     def warm(self) -> None:
         for b in self.warmup:
@@ -139,10 +153,18 @@ class EngineCase:
 
     def step(self, index: int) -> None:
         b = self.timed[index]
+        cuda = self.device.startswith("cuda")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        loads = dict(self.engine.store.loads)
         t0, c0 = time.perf_counter(), time.process_time()
         outs = _run_batch(self.engine, b, self.device, self.split)
         self.latencies.append(time.perf_counter() - t0)
         self.cpu += time.process_time() - c0
+        for tier, count in self.engine.store.loads.items():
+            self.loads[tier] = self.loads.get(tier, 0) + count - loads.get(tier, 0)
+        if cuda:
+            self.peak_mib = max(self.peak_mib, torch.cuda.max_memory_allocated(self.device) / 2**20)
         self.n += len(b)
         self.errors += sum(not isinstance(o, dict) for o in outs)
         self.found += sum(_found(o) for o in outs if isinstance(o, dict))
@@ -581,7 +603,7 @@ def main(argv=None) -> int:
         if adapters:
             row["bytes_per_adapter"] = cost.bytes_per_adapter(adapters, dtype)
         if device.startswith("cuda"):  # peak since the previous row: this mode's weights, slots and activations
-            row["gpu_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+            row.setdefault("gpu_peak_mib", round(torch.cuda.max_memory_allocated(device) / 2**20, 1))
             torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)
         with open(args.out, "a") as f:
@@ -638,8 +660,10 @@ def main(argv=None) -> int:
         for row, chosen, case in cases:
             tag = " ".join(str(row[key]) for key in ("mode", "adapters_in_flight", "distribution") if key in row)
             profiled(tag, lambda prof, case=case: prof is not None and case.profile(prof))
-            extra = {"loads": dict(engine.store.loads), "caches": "cold" if args.cold else "preloaded"}
-            emit({**row, **case.result(), **(extra if chosen else {}), "interleaved": True}, chosen)
+            extra = {"loads": case.loads, "caches": "cold" if args.cold else "preloaded"} if chosen else {}
+            if device.startswith("cuda"):
+                extra["gpu_peak_mib"] = round(case.peak_mib, 1)
+            emit({**row, **case.result(), **extra, "interleaved": True}, chosen)
 
     if args.interleave:
         unfit = [m for m in args.modes if m not in ("base", "manylora")]

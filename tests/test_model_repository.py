@@ -91,9 +91,15 @@ def test_readme_documents_every_parameter():
 
 
 def test_cpu_threads_parameter(tiny_checkpoint):
+    from manylora.serving import instance_threads
+
     parse = lambda **p: EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **p})  # noqa: E731
     assert parse().cpu_threads == 0 and parse(cpu_threads="auto").cpu_threads == 0  # 0: threads_per_instance
     assert parse(cpu_threads=" 1 ").cpu_threads == 1 and parse(cpu_threads="6").cpu_threads == 6
+    four = {"instance_group": [{"count": 4}]}
+    assert instance_threads(parse().cpu_threads, four, 16) == 4, "auto: the host's cores shared"
+    assert instance_threads(parse(cpu_threads="1").cpu_threads, four, 16) == 1
+    assert instance_threads(parse(cpu_threads="6").cpu_threads, four, 16) == 6
 
 
 def test_threads_per_instance_share_the_host():

@@ -128,23 +128,30 @@ class LoraBatch:
         store = self.store
         a = store.a[name].index_select(0, self.group_slots)  # [G, R, in]
         scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter  # [G]
-        with _exact_tf32(window.dtype):
+        with _exact_tf32(a.dtype, window.dtype):
             v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
         return PositionLora(store.b[name], v.to(window.dtype), self.row_slots, self.row_group)
 
 
 @contextmanager
-def _exact_tf32(dtype: torch.dtype):
+def _exact_tf32(*dtypes: torch.dtype):
     """Let float32 CUDA GEMMs of 16-bit values run on TF32 tensor cores: a bf16 or fp16 value
     fits TF32's 10-bit mantissa exactly and products accumulate in float32, so the result is
     the float32 GEMM's up to summation order, several times faster (cuBLAS' plain float32
-    kernel was 1.7 ms of a 1,024-adapter forward on the H200). Float32 inputs keep float32."""
-    if dtype not in (torch.bfloat16, torch.float16):
+    kernel was 1.7 ms of a 1,024-adapter forward on the H200). ``dtypes`` are the operands'
+    own dtypes: any float32 operand keeps float32. Sets torch's legacy ``allow_tf32`` flag (the
+    form measured on the H200); where the process already uses the newer ``fp32_precision``
+    setting (torch >= 2.9 refuses to read the legacy flag then), that one. Restored on exit."""
+    if not dtypes or not all(d in (torch.bfloat16, torch.float16) for d in dtypes):
         yield
         return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    matmul = torch.backends.cuda.matmul
+    try:
+        key, value, before = "allow_tf32", True, matmul.allow_tf32
+    except RuntimeError:  # "mix of the legacy and new APIs": use the new one
+        key, value, before = "fp32_precision", "tf32", matmul.fp32_precision
+    setattr(matmul, key, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        setattr(matmul, key, before)

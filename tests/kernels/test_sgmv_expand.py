@@ -174,3 +174,16 @@ def test_write_mode_never_reads_y(device, dtype, with_bias, h_out, y_offset, y_w
     outside = torch.ones(y_width, dtype=torch.bool, device=device)
     outside[y_offset : y_offset + h_out] = False
     assert same(got[:, outside], y_before[:, outside]), "columns outside the slice must stay untouched"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bias_only_when_writing(device, backend):
+    """Both backends refuse a bias in accumulate mode (the kernel would silently drop it)."""
+    from manylora.kernels import expand
+
+    slots = [0] * 8
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, 32, torch.float32, device, torch.Generator().manual_seed(1))
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    v, y = torch.zeros(8, 16, device=device), torch.zeros(8, 32, device=device)
+    with pytest.raises(AssertionError, match="bias"):
+        expand(v, lora_b, scales, meta, y, backend=backend, accumulate=True, bias=torch.zeros(32, device=device))

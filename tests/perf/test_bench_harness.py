@@ -69,13 +69,23 @@ def test_engine_benchmark_interleaved_rounds(tmp_path):
     for row in rows:
         assert row["interleaved"] and row["errors"] == 0 and row["requests"] == 16  # 2 timed batches of 8
         assert row["found_per_request"] > 0 and row["cpu_ms_per_request"] > 0
-        assert row["req_per_s"] == pytest.approx(row["requests"] / row["seconds"])
-    assert all(r["loads"]["gpu"] >= 4 for r in rows if r["mode"] == "manylora"), "the largest pool was made resident"
+    for row in rows:  # the largest pool was made resident first: no load while a case was timed
+        assert row["mode"] == "base" or (row["loads"] and not any(row["loads"].values())), row.get("loads")
     tables = profile.read_text()
     for n in (0, 1):
         for tag in ("base", "manylora 1 uniform", "manylora 4 uniform"):
             assert f"==== {tag} (round {n})" in tables
     assert "median" in proc.stdout and "process CPU per request x base" in proc.stdout
+
+
+def test_found_counts_the_items_of_an_answer():
+    from bench_engine import _found
+
+    assert _found({"entities": {"person": ["Ann", "Bo"], "date": []}}) == 2
+    assert _found({"entities": {"person": [{"text": "Ann", "confidence": 0.9}]}}) == 1
+    assert _found({"sentiment": "positive"}) == 1 and _found({"sentiment": ""}) == 0
+    assert _found({"relation_extraction": {"works_for": [("Ann", "Acme"), ("Bo", "Zed")]}}) == 2
+    assert _found({"product": [{"name": "X", "price": 3}, {"name": "Y", "price": 4}]}) == 2
 
 
 def test_perf_analyzer_input_data(tmp_path):
