@@ -182,6 +182,7 @@ class EngineCase:
             **_timings(self.n, elapsed, self.errors, self.latencies, self.split),
             "found_per_request": self.found / self.n,
             "cpu_ms_per_request": 1e3 * self.cpu / self.n,  # process CPU time: less hit by descheduling
+            "batch_ms": [round(1e3 * t, 3) for t in self.latencies],  # in timed order (batch i = same texts)
         }
 
 
@@ -756,26 +757,40 @@ def main(argv=None) -> int:
             f"{r['req_per_s']:8.1f} {ratio_base:8.2f} {ratio_hot:10.1f} {ratio_mixed:13.2f} "
             f"{r['achieved_tflops']:8.3g} {r['fraction_of_gemm_rate']:8.1%}"
         )
-    if args.rounds > 1:
+    if args.rounds > 1 or args.interleave:
         print("\nmanylora / base within each round, median over rounds:")
-        cases = sorted({(r["adapters_in_flight"], r["distribution"]) for r in rows if r["mode"] == "manylora"})
-        for k, dist in cases:
-            ratios = [
-                r["req_per_s"] / base_of(r)["req_per_s"]
-                for r in rows
-                if r["mode"] == "manylora" and (r["adapters_in_flight"], r["distribution"]) == (k, dist) and base_of(r)
-            ]
-            cpu = [
-                r["cpu_ms_per_request"] / base_of(r)["cpu_ms_per_request"]
-                for r in rows
-                if r["mode"] == "manylora" and (r["adapters_in_flight"], r["distribution"]) == (k, dist) and base_of(r)
-            ]
-            if ratios:
-                print(
-                    f"  {k:5d} {dist:8s} median {statistics.median(ratios):.3f}  rounds {[round(x, 3) for x in ratios]}"
-                    f"  (process CPU per request x base: median {statistics.median(cpu):.3f})"
-                )
+        for line in ratio_summary(rows):
+            print(line)
     return 0
+
+
+def ratio_summary(rows: list[dict]) -> list[str]:
+    """Per manylora case: its req/s over base's in the same round (median over rounds), and for
+    interleaved rows also the median over every timed batch of base's latency over the case's
+    latency for the same batch of texts run moments apart (pairs, so that drift cancels)."""
+    base = {r["round"]: r for r in rows if r["mode"] == "base"}
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["mode"] == "manylora" and r["round"] in base:
+            cases.setdefault((r["adapters_in_flight"], r["distribution"]), []).append(r)
+    lines = []
+    for (k, dist), case_rows in sorted(cases.items()):
+        ratios = [r["req_per_s"] / base[r["round"]]["req_per_s"] for r in case_rows]
+        cpu = [r["cpu_ms_per_request"] / base[r["round"]]["cpu_ms_per_request"] for r in case_rows]
+        line = (
+            f"  {k:5d} {dist:8s} median {statistics.median(ratios):.3f}  rounds {[round(x, 3) for x in ratios]}"
+            f"  (process CPU per request x base: median {statistics.median(cpu):.3f})"
+        )
+        pairs = [
+            b / t
+            for r in case_rows
+            if r.get("interleaved")
+            for b, t in zip(base[r["round"]]["batch_ms"], r["batch_ms"])
+        ]
+        if pairs:
+            line += f"  paired batches: median {statistics.median(pairs):.3f} of {len(pairs)}"
+        lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":

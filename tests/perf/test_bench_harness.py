@@ -76,6 +76,26 @@ def test_engine_benchmark_interleaved_rounds(tmp_path):
         for tag in ("base", "manylora 1 uniform", "manylora 4 uniform"):
             assert f"==== {tag} (round {n})" in tables
     assert "median" in proc.stdout and "process CPU per request x base" in proc.stdout
+    assert all(len(r["batch_ms"]) == 2 for r in rows) and "paired batches: median" in proc.stdout
+
+
+def test_ratio_summary_pairs_batches_of_one_round():
+    """Paired ratios: base's latency over the case's for the same batch index, pooled over rounds."""
+    import bench_engine
+
+    def row(mode, round_, req_per_s, batch_ms, k=None):
+        extra = {} if mode == "base" else {"adapters_in_flight": k, "distribution": "uniform"}
+        common = {"cpu_ms_per_request": 1.0, "interleaved": True}
+        return {"mode": mode, "round": round_, "req_per_s": req_per_s, "batch_ms": batch_ms, **extra, **common}
+
+    rows = [
+        row("base", 0, 100.0, [10.0, 20.0]),
+        row("manylora", 0, 80.0, [12.5, 25.0], k=8),  # 0.8 on both batches
+        row("base", 1, 50.0, [40.0, 40.0]),  # a slow round: drift cancels within pairs
+        row("manylora", 1, 40.0, [50.0, 50.0], k=8),
+    ]
+    (line,) = bench_engine.ratio_summary(rows)
+    assert "median 0.800" in line and "paired batches: median 0.800 of 4" in line
 
 
 def test_found_counts_the_items_of_an_answer():
