@@ -91,6 +91,38 @@ def sgmv_expand_ref(
     return y
 
 
+def gemm_lora_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    v: torch.Tensor | None = None,  # [M, >= R_max]
+    lora_b: torch.Tensor | None = None,  # [slots, N, R_max]
+    scales: torch.Tensor | None = None,  # fp32 [slots]
+    row_slots: torch.Tensor | None = None,  # int [M / row_len], -1 = no adapter
+    row_len: int = 1,
+    ranks: torch.Tensor | None = None,  # int [slots]
+    max_rank: int | None = None,
+) -> torch.Tensor:
+    """float32 [M, N]: x Wᵀ + bias + scale(s) · v[t, :r] B[s, :, :r]ᵀ for each token t of a row
+    with slot s >= 0 (r = its rank, capped at max_rank); the definition gemm_lora is tested on."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    if lora_b is None:
+        return y
+    r_max = lora_b.shape[2]
+    cap = min(r_max, max_rank or r_max)
+    ranks_host = None if ranks is None else ranks.tolist()
+    for row, slot in enumerate(row_slots.tolist()):
+        if slot < 0:
+            continue
+        rank = min(_slot_rank(ranks_host, slot, r_max), cap)
+        rows = slice(row * row_len, (row + 1) * row_len)
+        update = v[rows, :rank].float() @ lora_b[slot, :, :rank].float().t()
+        y[rows] += float(scales[slot]) * update
+    return y
+
+
 def relpos_bias_ref(
     c2p: torch.Tensor | None,  # [B, h, L, W]
     p2c: torch.Tensor | None,  # [B, h, L, W]

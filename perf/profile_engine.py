@@ -158,18 +158,21 @@ def main(argv=None) -> int:
                 f"{sum(bool(d) for d in diffs)}/{len(diffs)} {[d for d in diffs if d][:3]}"
             )
 
-        if names:  # the LoRA update after each base GEMM, against written first (LoraBatch.writes_first)
+        if names:  # the LoRA update after each base GEMM, written first, or in a fused GEMM's epilogue
             forward_by, states_by = {}, {}
-            for write_first in (False, True):
-                engine.encoder.lora_write_first = write_first
-                states_by[write_first], forward_by["written first" if write_first else "update after"] = (
-                    states_and_forward_ms()
-                )
-            gap = (states_by[False] - states_by[True]).abs()
-            print(
-                f"{tag} forward ms by LoRA order: {forward_by}; encoder states differ by {gap.max().item():.3g} "
-                f"(mean {gap.mean().item():.3g})"
-            )
+            orders = {"update after": (False, False), "written first": (True, False)}
+            if device.startswith("cuda"):
+                orders["fused GEMM"] = (True, True)  # kernels/gemm_lora.py (off by default)
+            for order, (write_first, fused) in orders.items():
+                engine.encoder.lora_write_first, engine.encoder.lora_fused_gemm = write_first, fused
+                states_by[order], forward_by[order] = states_and_forward_ms()
+            engine.encoder.lora_write_first, engine.encoder.lora_fused_gemm = True, False
+            gaps = {
+                order: round((states_by[order] - states_by["update after"]).abs().max().item(), 4)
+                for order in orders
+                if order != "update after"
+            }
+            print(f"{tag} forward ms by LoRA order: {forward_by}; encoder states differ from 'update after' by {gaps}")
 
         if device.startswith("cuda"):  # a host sync inside forward serialises launch and GPU time
             import traceback

@@ -52,6 +52,7 @@ class LoraBatch:
         targets: set[str],
         backend: str,
         write_first: bool = True,
+        fused_gemm: bool = False,
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -61,6 +62,8 @@ class LoraBatch:
         # every row has an adapter: a target's output can be written as bias + update first, and
         # the base GEMM add itself in its epilogue (see writes_first)
         self.write_first = write_first and len(used) == len(slot_per_row) > 0
+        self.fused_gemm = fused_gemm  # the update inside the base GEMM's epilogue (see fuses_gemm)
+        self.row_len = row_len
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -74,6 +77,39 @@ class LoraBatch:
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
+
+    def fuses_gemm(self, name: str) -> bool:
+        """Whether ``name`` runs as one GEMM with the LoRA update in its epilogue (``linear``):
+        no pass over y for the update at all; rows without an adapter are fine."""
+        return self.fused_gemm and name in self.targets
+
+    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x Wᵀ + bias`` plus each token's own update, the update added in the GEMM's epilogue."""
+        store = self.store
+        v = self._v(x)
+        kernels.shrink(x, store.a[name], self.meta, v, store.ranks, self.backend)
+        return kernels.linear_lora(
+            x,
+            weight,
+            bias,
+            v,
+            store.b[name],
+            store.scales[name],
+            self.row_slots,
+            self.row_len,
+            store.ranks,
+            self.meta.max_rank,
+            self.backend,
+        )
+
+    def _v(self, x: torch.Tensor) -> torch.Tensor:
+        """The shrink output's scratch [T, R_max] (fp32), one per token count of the forward."""
+        v = self._scratch.get(x.shape[0])
+        if v is None:
+            v = self._scratch[x.shape[0]] = torch.empty(
+                x.shape[0], self.store.max_rank, dtype=torch.float32, device=x.device
+            )
+        return v
 
     def writes_first(self, name: str) -> bool:
         """Whether ``name``'s output is better built as ``apply(accumulate=False)`` (bias plus each
@@ -96,11 +132,7 @@ class LoraBatch:
         if name not in self.targets:
             return
         store = self.store
-        v = self._scratch.get(x.shape[0])
-        if v is None:
-            v = self._scratch[x.shape[0]] = torch.empty(
-                x.shape[0], store.max_rank, dtype=torch.float32, device=x.device
-            )
+        v = self._v(x)
         kernels.lora_apply(
             x,
             y,

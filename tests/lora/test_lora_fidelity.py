@@ -169,3 +169,41 @@ def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adap
     with_base = requests[:-1] + [Request(texts[-1], schema, adapter="", include_confidence=True)]
     with_base_modes = run(True, with_base)[2]
     assert with_base_modes and all(with_base_modes), "a row without an adapter: the update goes after the GEMM"
+
+
+def test_fused_gemm_equals_the_separate_update(tiny_checkpoint, demo_adapters, monkeypatch):
+    """The base GEMM with the LoRA update in its epilogue (kernels/gemm_lora.py, interpreted on
+    CPU): the same encoder states as cuBLAS/torch plus the separate update, on a batch mixing
+    adapters of different targets and ranks with a row without one; the fused kernel really ran."""
+    import torch
+
+    from manylora import kernels
+
+    pytest.importorskip("triton")
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
+    engine = Engine(EngineConfig.from_parameters({**values, "dtype": "float32"}, device=device))
+    engine.encoder.backend = "triton"  # position and bias kernels too
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
+    schema = json.dumps(demo_schemas()[0])
+    texts = demo_texts(len(names), seed=29, min_words=8, max_words=16)  # short: the interpreter is slow
+    requests = [Request(t, schema, adapter=n) for t, n in zip(texts, names)]
+    fused_calls = []
+    linear_lora = kernels.linear_lora
+    monkeypatch.setattr(kernels, "linear_lora", lambda *a, **k: fused_calls.append(a[0].shape) or linear_lora(*a, **k))
+    states = {}
+    with torch.inference_mode():
+        (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
+        for fused in (False, True):
+            engine.encoder.lora_fused_gemm = fused
+            states[fused] = engine.forward(list(chunk))[1].clone()
+
+        # a fused GEMM that dropped the update would be caught: the update moves the states
+        def base_only(x, weight, bias, *rest):  # LoraBatch.linear passes the backend last
+            return linear_lora(x, weight, bias, None, None, None, None, 1, None, None, rest[-1])
+
+        monkeypatch.setattr(kernels, "linear_lora", base_only)
+        without_update = engine.forward(list(chunk))[1].clone()
+    assert fused_calls, "the fused GEMM ran"
+    torch.testing.assert_close(states[True], states[False], atol=1e-4, rtol=1e-4)
+    assert (without_update - states[False]).abs().max() > 1e-2
