@@ -10,7 +10,7 @@ The GEMM is the standard tiled one (grouped tile order for L2 reuse, float32 acc
 tensor-core dots). In the epilogue a tile's rows may belong to several adapters (rows are
 grouped by slot, so a tile of BLOCK_M tokens spans one to a few segments): the program
 walks the distinct slots of its rows, smallest first, and for each adds
-``scale · (v masked to that slot's rows) B[s]ᵀ`` as one rank-sized dot. Rows of slot -1
+``(scale · v masked to that slot's rows) B[s]ᵀ`` as one rank-sized dot. Rows of slot -1
 (no adapter) get the base output only; their v rows are never read.
 
 A token's slot is its row's: ``row_slots[t // row_len]`` (the engine pads every row of a
@@ -109,11 +109,14 @@ def _gemm_lora_kernel(
                 mask=mask_r[:, None] & mask_n[None, :],
                 other=0.0,
             )  # [R, BN]
-            mine = mine.to(b.dtype)  # v rounded to the weights' dtype, as the expand kernel does
+            # the scale goes into v before its one rounding to the weights' dtype, so that the dot
+            # accumulates straight into acc (scaling the dot's result instead keeps a second
+            # fp32 tile live: 183 instead of 128 registers at the default launch, ptxas sm_90a)
+            mine = (mine * tl.load(scales_ptr + slot)).to(b.dtype)
             if DOT_IN_FP32:
                 mine = mine.to(tl.float32)
                 b = b.to(tl.float32)
-            acc += tl.load(scales_ptr + slot) * tl.dot(mine, b, input_precision=DOT_PRECISION)
+            acc = tl.dot(mine, b, acc, input_precision=DOT_PRECISION)
             slot = tl.min(tl.where(slots > slot, slots, NO_SLOT))
     tl.store(
         y_ptr + rows[:, None] * stride_ym + cols[None, :],

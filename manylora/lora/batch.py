@@ -80,8 +80,9 @@ class LoraBatch:
 
     def fuses_gemm(self, name: str) -> bool:
         """Whether ``name`` runs as one GEMM with the LoRA update in its epilogue (``linear``):
-        no pass over y for the update at all; rows without an adapter are fine."""
-        return self.fused_gemm and name in self.targets
+        no pass over y for the update at all; rows without an adapter are fine. Triton backend
+        only (the torch form is the float32 definition, a loop over rows)."""
+        return self.fused_gemm and self.backend == "triton" and name in self.targets
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``x Wᵀ + bias`` plus each token's own update, the update added in the GEMM's epilogue."""
