@@ -2,7 +2,8 @@
 # Where a GPU session's first minutes go: build the base demo checkpoint and 1,024 rank-16
 # adapters on the GPU host, time engine start-up with all of them preloaded (cProfile of the
 # constructor), profile one batch with and without adapters, and run the kernel and store
-# tests on the real GPU. Results land in $OUT (default perf/results).
+# tests on the real GPU, then the per-linear LoRA benchmark (LINEAR_SWEEP=1: with its config
+# sweep). Results land in $OUT (default perf/results).
 #
 #   source .gpu-bundle/activate.sh; bash perf/run_probe.sh
 set -uo pipefail  # stages are independent: one failing still lets the next report
@@ -25,3 +26,6 @@ if [ -z "${SKIP_BASE:-}" ]; then
   grep -E "^base|forward ms" "$OUT/profile-base.txt"
 fi
 [ -n "${SKIP_TESTS:-}" ] || timeout "$STAGE_TIMEOUT" python3 -m pytest -q -x tests/kernels tests/lora/test_store.py 2>&1 | tail -5
+# one linear per encoder shape: cuBLAS, the update after / written first, the fused GEMM (kernels/gemm_lora.py)
+[ -n "${SKIP_LINEAR:-}" ] || timeout "$STAGE_TIMEOUT" python3 perf/bench_lora_linear.py ${LINEAR_SWEEP:+--sweep} \
+  --out "$OUT/lora-linear.jsonl" 2>&1 | grep -v Warn | tail -30
