@@ -1,6 +1,7 @@
 """SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update;
-DeBERTa's relative-position attention bias in one pass (relpos.py); and its position scores
-with every row's LoRA on the position projection (posscores.py).
+DeBERTa's relative-position attention bias in one pass (relpos.py); its position scores
+with every row's LoRA on the position projection (posscores.py); and a linear layer with the
+LoRA update in its GEMM's epilogue (gemm_lora.py, off in serving until measured on a GPU).
 
 Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
 
@@ -40,8 +41,8 @@ __all__ = [
     "SgmvTiles",
     "build_sgmv_meta",
     "default_backend",
-    "gemm_lora_ref",
     "expand",
+    "gemm_lora_ref",
     "linear_lora",
     "lora_apply",
     "position_scores",

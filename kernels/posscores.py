@@ -16,8 +16,9 @@ copies of x and V into the GEMM's batch layout. Here one program takes an L tile
 ``w_tiles`` W tiles, each a base dot (x against the table tile) plus a rank-R dot (u against
 the V tile), and writes the scores once.
 
-Rows of slot -1 read no B or V (masked loads): their u is zero and the low-rank term vanishes. Ranks up to the slot width are padded with zeros in
-the store, so a batch of mixed ranks runs at the padded width R (a power of two >= 16 here).
+Rows of slot -1 read no B or V (masked loads): their u is zero and the low-rank term
+vanishes. Ranks up to the slot width are padded with zeros in the store, so a batch of mixed
+ranks runs at the padded width R (a power of two >= 16 here).
 """
 
 from __future__ import annotations

@@ -110,17 +110,11 @@ def gemm_lora_ref(
         y = y + bias.float()
     if lora_b is None:
         return y
-    r_max = lora_b.shape[2]
-    cap = min(r_max, max_rank or r_max)
-    ranks_host = None if ranks is None else ranks.tolist()
-    for row, slot in enumerate(row_slots.tolist()):
-        if slot < 0:
-            continue
-        rank = min(_slot_rank(ranks_host, slot, r_max), cap)
-        rows = slice(row * row_len, (row + 1) * row_len)
-        update = v[rows, :rank].float() @ lora_b[slot, :, :rank].float().t()
-        y[rows] += float(scales[slot]) * update
-    return y
+    from .meta import build_sgmv_meta
+
+    cap = min(lora_b.shape[2], max_rank or lora_b.shape[2])  # rank columns past it are never read
+    meta = build_sgmv_meta(slot_per_row=row_slots.tolist(), row_len=row_len, device=y.device)
+    return sgmv_expand_ref(v[:, :cap], lora_b[:, :, :cap], scales, meta, y, ranks)
 
 
 def relpos_bias_ref(

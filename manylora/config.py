@@ -45,7 +45,14 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
 
 def _threads(key: str, raw: str) -> int:
     """'auto' (0: the host's cores shared by the instances) or a positive thread count."""
-    return 0 if raw.strip() == "auto" else _positive_int(key, raw.strip())
+    if raw.strip() == "auto":
+        return 0
+    try:
+        return _positive_int(key, raw.strip())
+    except ConfigError:
+        raise ConfigError(
+            f"parameter {key!r}: expected 'auto' or a positive number of torch threads per instance, got {raw!r}"
+        ) from None
 
 
 def _preload(key: str, raw: str) -> str:

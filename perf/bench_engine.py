@@ -183,6 +183,7 @@ class EngineCase:
             "found_per_request": self.found / self.n,
             "cpu_ms_per_request": 1e3 * self.cpu / self.n,  # process CPU time: less hit by descheduling
             "batch_ms": [round(1e3 * t, 3) for t in self.latencies],  # in timed order (batch i = same texts)
+            **({"gpu_peak_mib": round(self.peak_mib, 1)} if self.device.startswith("cuda") else {}),
         }
 
 
@@ -603,7 +604,7 @@ def main(argv=None) -> int:
         )
         if adapters:
             row["bytes_per_adapter"] = cost.bytes_per_adapter(adapters, dtype)
-        if device.startswith("cuda"):  # peak since the previous row: this mode's weights, slots and activations
+        if device.startswith("cuda"):  # engine modes carry their timed batches' peak; others: since the last row
             row.setdefault("gpu_peak_mib", round(torch.cuda.max_memory_allocated(device) / 2**20, 1))
             torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)
@@ -662,8 +663,6 @@ def main(argv=None) -> int:
             tag = " ".join(str(row[key]) for key in ("mode", "adapters_in_flight", "distribution") if key in row)
             profiled(tag, lambda prof, case=case: prof is not None and case.profile(prof))
             extra = {"loads": case.loads, "caches": "cold" if args.cold else "preloaded"} if chosen else {}
-            if device.startswith("cuda"):
-                extra["gpu_peak_mib"] = round(case.peak_mib, 1)
             emit({**row, **case.result(), **extra, "interleaved": True}, chosen)
 
     if args.interleave:
