@@ -1,7 +1,6 @@
 """SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update;
-DeBERTa's relative-position attention bias in one pass (relpos.py); its position scores
-with every row's LoRA on the position projection (posscores.py); and a linear layer with the
-LoRA update in its GEMM's epilogue (gemm_lora.py, off in serving until measured on a GPU).
+DeBERTa's relative-position attention bias in one pass (relpos.py); and its position scores
+with every row's LoRA on the position projection (posscores.py).
 
 Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
 
@@ -22,7 +21,6 @@ import torch
 from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_sgmv_meta
 from .reference import (
     TOLERANCES,
-    gemm_lora_ref,
     position_scores_eager,
     position_scores_ref,
     relpos_bias_ref,
@@ -42,8 +40,6 @@ __all__ = [
     "build_sgmv_meta",
     "default_backend",
     "expand",
-    "gemm_lora_ref",
-    "linear_lora",
     "lora_apply",
     "position_scores",
     "position_scores_eager",
@@ -129,31 +125,6 @@ def lora_apply(
         v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     shrink(x, lora_a, meta, v, ranks, backend)
     return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend, accumulate, bias)
-
-
-def linear_lora(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    v: torch.Tensor | None,  # [M, >= R_max] shrink output (None with lora_b None: the GEMM alone)
-    lora_b: torch.Tensor | None,  # [slots, N, R_max]
-    scales: torch.Tensor | None,  # fp32 [slots]
-    row_slots: torch.Tensor | None,  # int [M / row_len], -1 = no adapter
-    row_len: int,
-    ranks: torch.Tensor | None = None,  # int32 [slots]
-    max_rank: int | None = None,
-    backend: str = "triton",
-) -> torch.Tensor:
-    """y = x Wᵀ + bias + scale(s) · v[t, :r] B[s, :, :r]ᵀ per token of a row with slot s >= 0: the
-    base GEMM with the LoRA update in its epilogue (gemm_lora.py); a new [M, N] in x's dtype.
-    The torch backend is the float32 definition (gemm_lora_ref), rounded to x's dtype."""
-    _check_backend(backend)
-    args = (x, weight, bias, v, lora_b, scales, row_slots, row_len, ranks, max_rank)
-    if backend == "torch":
-        return gemm_lora_ref(*args).to(x.dtype)
-    from .gemm_lora import gemm_lora
-
-    return gemm_lora(*args)
 
 
 def relpos_bias(

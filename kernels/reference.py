@@ -91,32 +91,6 @@ def sgmv_expand_ref(
     return y
 
 
-def gemm_lora_ref(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    v: torch.Tensor | None = None,  # [M, >= R_max]
-    lora_b: torch.Tensor | None = None,  # [slots, N, R_max]
-    scales: torch.Tensor | None = None,  # fp32 [slots]
-    row_slots: torch.Tensor | None = None,  # int [M / row_len], -1 = no adapter
-    row_len: int = 1,
-    ranks: torch.Tensor | None = None,  # int [slots]
-    max_rank: int | None = None,
-) -> torch.Tensor:
-    """float32 [M, N]: x Wᵀ + bias + scale(s) · v[t, :r] B[s, :, :r]ᵀ for each token t of a row
-    with slot s >= 0 (r = its rank, capped at max_rank); the definition gemm_lora is tested on."""
-    y = x.float() @ weight.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    if lora_b is None:
-        return y
-    from .meta import build_sgmv_meta
-
-    cap = min(lora_b.shape[2], max_rank or lora_b.shape[2])  # rank columns past it are never read
-    meta = build_sgmv_meta(slot_per_row=row_slots.tolist(), row_len=row_len, device=y.device)
-    return sgmv_expand_ref(v[:, :cap], lora_b[:, :, :cap], scales, meta, y, ranks)
-
-
 def relpos_bias_ref(
     c2p: torch.Tensor | None,  # [B, h, L, W]
     p2c: torch.Tensor | None,  # [B, h, L, W]

@@ -62,8 +62,6 @@ class AdapterLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor, lora: Optional["LoraBatch"] = None) -> torch.Tensor:
-        if lora is not None and x.dim() == 2 and lora.fuses_gemm(self.name):
-            return lora.linear(self.name, x, self.weight, self.bias)  # the update in the GEMM's epilogue
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
             lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
@@ -308,9 +306,6 @@ class Encoder(nn.Module):
         self.backend: Optional[str] = None
         # LoRA update written before the base GEMM when every row has an adapter (LoraBatch.writes_first)
         self.lora_write_first = True
-        # the base GEMM and the LoRA update as one Triton GEMM (LoraBatch.fuses_gemm); off until
-        # measured on a GPU against cuBLAS + the write-first update
-        self.lora_fused_gemm = False
 
     def linears(self) -> dict[str, AdapterLinear]:
         return {m.name: m for m in self.modules() if isinstance(m, AdapterLinear)}

@@ -277,7 +277,6 @@ class Engine:
                 targets,
                 self.config.backend,
                 self.encoder.lora_write_first,
-                self.encoder.lora_fused_gemm,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

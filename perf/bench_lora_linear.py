@@ -8,11 +8,9 @@ on 256 rows of 224 tokens, each row with its own adapter out of 1,024 rank-16 sl
   write first   shrink, expand writing bias + update (output never read), then the base GEMM
                 adding itself in its epilogue (y.addmm_(x, Wᵀ)): LoraBatch.writes_first
   addmm_ alone  the epilogue-reading GEMM by itself
-  fused GEMM    shrink, then one Triton GEMM with the update in its epilogue (kernels/gemm_lora.py)
-  Triton GEMM   that GEMM without LoRA: its own speed against cuBLAS ("base")
 
 The LoRA forms are checked against each other before timing. ``--sweep`` also times
-candidate launch configs for shrink, expand (both modes) and the fused GEMM on these shapes
+candidate launch configs for shrink and expand (both modes) on these shapes
 and prints the best (the config table's largest bucket serves shrink and expand).
 
     python perf/bench_lora_linear.py [--sweep] [--out results.jsonl]     # CUDA
@@ -41,18 +39,6 @@ SWEEP_SHRINK = [
     for k in (64, 128, 256)
     for w in (4, 8)
 ]
-SWEEP_GEMM = [
-    {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w, "num_stages": st}
-    for m, n, k, w, st in (
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 4, 4),
-        (128, 256, 64, 8, 3),
-        (64, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-        (256, 128, 64, 8, 3),
-        (128, 128, 128, 8, 2),
-    )
-]
 SWEEP_EXPAND = [
     {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 2}
     for m in (32, 64, 128)
@@ -70,8 +56,6 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time every candidate shrink/expand config too")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    from manylora.kernels.gemm_lora import gemm_lora
-
     from manylora import kernels
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: TRITON_INTERPRET=1 smoke
@@ -81,7 +65,6 @@ def main(argv=None) -> int:
     row_slots = sorted(torch.randint(0, args.slots, (args.rows,), generator=gen).tolist())
     tokens = args.rows * args.length
     meta = kernels.build_sgmv_meta(slot_per_row=row_slots, row_len=args.length, device=device, max_rank=args.rank)
-    slots_t = torch.tensor(row_slots, device=device)
     rows = []
     for h_in, h_out in SHAPES:
         x = torch.randn(tokens, h_in, generator=gen).to(device, dtype)
@@ -101,13 +84,9 @@ def main(argv=None) -> int:
             kernels.lora_apply(x, y, lora_a, lora_b, scales, meta, v=v, accumulate=False, bias=bias)
             return y.addmm_(x, weight.t())
 
-        def fused(config=None):
-            kernels.shrink(x, lora_a, meta, v)
-            return gemm_lora(x, weight, bias, v, lora_b, scales, slots_t, args.length, config=config)
-
         y_fixed = torch.randn(tokens, h_out, generator=gen).to(device, dtype)
-        after, first, one = update_after().float(), write_first().float(), fused().float()
-        gap = max((after - first).abs().max().item(), (after - one).abs().max().item())
+        after, first = update_after().float(), write_first().float()
+        gap = (after - first).abs().max().item()
         assert gap <= 0.05 * after.abs().max().item(), f"the LoRA forms differ by {gap}"
         case = {"tokens": tokens, "h_in": h_in, "h_out": h_out, "slots": args.slots, "rank": args.rank}
         for variant, fn in (
@@ -115,8 +94,6 @@ def main(argv=None) -> int:
             ("update after", update_after),
             ("write first", write_first),
             ("addmm_ alone", lambda: y_fixed.addmm_(x, weight.t())),
-            ("fused GEMM", fused),
-            ("Triton GEMM", lambda: gemm_lora(x, weight, bias)),
         ):
             rows.append({**case, "variant": variant, "us": timer(fn), "max_gap": gap})
         if args.sweep:
@@ -140,8 +117,6 @@ def main(argv=None) -> int:
                 candidates.append(
                     (op, "table", lambda a=accumulate, y=y: sgmv_expand(v, lora_b, scales, meta, y, accumulate=a))
                 )
-            candidates += [("fused GEMM", c, lambda c=c: fused(c)) for c in SWEEP_GEMM]
-            candidates.append(("fused GEMM", "table", fused))
             best: dict = {}
             table: dict = {}
             for op, config, fn in candidates:

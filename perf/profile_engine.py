@@ -158,16 +158,14 @@ def main(argv=None) -> int:
                 f"{sum(bool(d) for d in diffs)}/{len(diffs)} {[d for d in diffs if d][:3]}"
             )
 
-        if names:  # the LoRA update after each base GEMM, written first, or in a fused GEMM's epilogue
+        if names:  # the LoRA update after each base GEMM, or written first (bias + update, then addmm_)
             forward_by, states_by = {}, {}
-            defaults = engine.encoder.lora_write_first, engine.encoder.lora_fused_gemm
-            orders = {"update after": (False, False), "written first": (True, False)}
-            if device.startswith("cuda"):
-                orders["fused GEMM"] = (True, True)  # kernels/gemm_lora.py (off by default)
-            for order, (write_first, fused) in orders.items():
-                engine.encoder.lora_write_first, engine.encoder.lora_fused_gemm = write_first, fused
+            default = engine.encoder.lora_write_first
+            orders = {"update after": False, "written first": True}
+            for order, write_first in orders.items():
+                engine.encoder.lora_write_first = write_first
                 states_by[order], forward_by[order] = states_and_forward_ms()
-            engine.encoder.lora_write_first, engine.encoder.lora_fused_gemm = defaults
+            engine.encoder.lora_write_first = default
             gaps = {
                 order: round((states_by[order] - states_by["update after"]).abs().max().item(), 4)
                 for order in orders

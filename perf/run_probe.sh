@@ -26,6 +26,6 @@ if [ -z "${SKIP_BASE:-}" ]; then
   grep -E "^base|forward ms" "$OUT/profile-base.txt"
 fi
 [ -n "${SKIP_TESTS:-}" ] || timeout "$STAGE_TIMEOUT" python3 -m pytest -q -x tests/kernels tests/lora/test_store.py 2>&1 | tail -5
-# one linear per encoder shape: cuBLAS, the update after / written first, the fused GEMM (kernels/gemm_lora.py)
+# one linear per encoder shape: cuBLAS, the update after / written first
 [ -n "${SKIP_LINEAR:-}" ] || timeout "$STAGE_TIMEOUT" python3 perf/bench_lora_linear.py ${LINEAR_SWEEP:+--sweep} \
   --out "$OUT/lora-linear.jsonl" 2>&1 | grep -v Warn | tail -30

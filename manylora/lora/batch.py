@@ -52,7 +52,6 @@ class LoraBatch:
         targets: set[str],
         backend: str,
         write_first: bool = True,
-        fused_gemm: bool = False,
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -62,7 +61,6 @@ class LoraBatch:
         # every row has an adapter: a target's output can be written as bias + update first, and
         # the base GEMM add itself in its epilogue (see writes_first)
         self.write_first = write_first and len(used) == len(slot_per_row) > 0
-        self.fused_gemm = fused_gemm  # the update inside the base GEMM's epilogue (see fuses_gemm)
         self.row_len = row_len
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
@@ -77,31 +75,6 @@ class LoraBatch:
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
-
-    def fuses_gemm(self, name: str) -> bool:
-        """Whether ``name`` runs as one GEMM with the LoRA update in its epilogue (``linear``):
-        no pass over y for the update at all; rows without an adapter are fine. Triton backend
-        only (the torch form is the float32 definition, a loop over rows)."""
-        return self.fused_gemm and self.backend == "triton" and name in self.targets
-
-    def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """``x Wᵀ + bias`` plus each token's own update, the update added in the GEMM's epilogue."""
-        store = self.store
-        v = self._v(x)
-        kernels.shrink(x, store.a[name], self.meta, v, store.ranks, self.backend)
-        return kernels.linear_lora(
-            x,
-            weight,
-            bias,
-            v,
-            store.b[name],
-            store.scales[name],
-            self.row_slots,
-            self.row_len,
-            store.ranks,
-            self.meta.max_rank,
-            self.backend,
-        )
 
     def _v(self, x: torch.Tensor) -> torch.Tensor:
         """The shrink output's scratch [T, R_max] (fp32), one per token count of the forward."""
