@@ -306,6 +306,13 @@ class Encoder(nn.Module):
         self.backend: Optional[str] = None
         # LoRA update written before the base GEMM when every row has an adapter (LoraBatch.writes_first)
         self.lora_write_first = True
+        # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
+        self.position_modules = [
+            name
+            for layer in self.layers
+            for name, used in ((layer.key.name, geometry.c2p), (layer.query.name, geometry.p2c))
+            if used
+        ]
 
     def linears(self) -> dict[str, AdapterLinear]:
         return {m.name: m for m in self.modules() if isinstance(m, AdapterLinear)}
@@ -328,6 +335,8 @@ class Encoder(nn.Module):
         window = self.rel_table[lo : hi + 1]
         key_bias = (1.0 - attention_mask.to(torch.float32)) * torch.finfo(dtype).min  # [B, L]
         backend = self.backend or kernels.default_backend(input_ids.device)
+        if lora is not None:  # every layer's position factors at once
+            lora.prepare_positions(self.position_modules, window)
         for i, layer in enumerate(self.layers):
             pos_q = self.pos_q[i, lo : hi + 1]
             pos_k = self.pos_k[i, lo : hi + 1]

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -172,6 +173,33 @@ def main(argv=None) -> int:
                 if order != "update after"
             }
             print(f"{tag} forward ms by LoRA order: {forward_by}; encoder states differ from 'update after' by {gaps}")
+
+        def launch_ms(repeats: int = 5) -> float:
+            """Median host time of one forward call from an idle GPU (launches, no final sync)."""
+            times = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                engine.forward(list(chunk))
+                times.append(1e3 * (time.perf_counter() - t0))
+            sync()
+            return statistics.median(times)
+
+        if names:  # every position module's factors at once (LoraBatch.prepare_positions) or one at a time
+            from manylora.lora.batch import LoraBatch
+
+            prepare = LoraBatch.prepare_positions
+            by, states_by = {}, {}
+            for way in ("at once", "one at a time"):
+                if way == "one at a time":
+                    LoraBatch.prepare_positions = lambda self, modules, window: None
+                try:
+                    states_by[way], wall = states_and_forward_ms()
+                    by[way] = {"forward_ms": round(wall, 2), "launch_ms": round(launch_ms(), 2)}
+                finally:
+                    LoraBatch.prepare_positions = prepare
+            gap = (states_by["at once"] - states_by["one at a time"]).abs().max().item()
+            print(f"{tag} position factors: {by}; encoder states differ by {gap:.3g}")
 
         if device.startswith("cuda"):  # a host sync inside forward serialises launch and GPU time
             import traceback

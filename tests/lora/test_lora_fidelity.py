@@ -169,3 +169,47 @@ def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adap
     with_base = requests[:-1] + [Request(texts[-1], schema, adapter="", include_confidence=True)]
     with_base_modes = run(True, with_base)[2]
     assert with_base_modes and all(with_base_modes), "a row without an adapter: the update goes after the GEMM"
+
+
+def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_checkpoint, demo_adapters, monkeypatch):
+    """LoraBatch.prepare_positions (every position module's factors in a few launches, here in
+    chunks of two modules) gives each module what position_factors computes for it alone, on a
+    batch with adapters of different targets and ranks and a base row; the encoder takes the
+    prepared factors, and its states are those of the one-module-at-a-time path."""
+    import torch
+
+    from manylora.lora.batch import LoraBatch
+
+    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, dtype="float32")
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
+    texts = demo_texts(len(names), seed=31, min_words=8, max_words=16)
+    schema = json.dumps(demo_schemas()[0])
+    requests = [Request(t, schema, adapter=n) for t, n in zip(texts, names)]
+    batches = []
+    forward = engine.encoder.forward
+    monkeypatch.setattr(
+        engine.encoder, "forward", lambda ids, mask, lora=None: batches.append(lora) or forward(ids, mask, lora)
+    )
+    with torch.inference_mode():
+        (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
+        prepared_states = engine.forward(list(chunk))[1].clone()
+        lora = batches[-1]
+        modules = engine.encoder.position_modules
+        window = engine.encoder.rel_table[:40]
+        assert lora._positions_window is not None and set(lora._positions) == set(modules) & lora.targets
+        groups, (_, rank, hidden) = lora.group_slots.shape[0], engine.store.a[modules[0]].shape
+        monkeypatch.setattr(LoraBatch, "POSITION_CHUNK", 2 * groups * rank * hidden)
+        lora.prepare_positions(modules, window)
+        assert len([m for m in modules if m in lora.targets]) > 2, "more than one chunk of modules"
+        for name in modules:
+            at_once = lora.position_factors(name, window)
+            alone = lora.position_factors(name, window.clone())  # another window: computed alone
+            if name not in lora.targets:
+                assert at_once is None and alone is None
+                continue
+            assert at_once is lora._positions[name] and alone is not at_once
+            torch.testing.assert_close(at_once.v, alone.v, atol=1e-5, rtol=1e-5)
+            assert at_once.v.abs().max() > 0 and at_once.lora_b is alone.lora_b
+        monkeypatch.setattr(LoraBatch, "prepare_positions", lambda self, names, window: None)
+        alone_states = engine.forward(list(chunk))[1]
+    torch.testing.assert_close(prepared_states, alone_states, atol=1e-5, rtol=1e-5)
