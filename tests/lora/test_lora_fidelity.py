@@ -12,10 +12,10 @@ from manylora.demo import demo_schemas, demo_texts
 from manylora.engine import Engine, Request
 
 
-def _engine(checkpoint, adapters_root, **parameters):
+def _engine(checkpoint, adapters_root, device="cpu", **parameters):
     values = {"checkpoint": str(checkpoint), "adapter_dir": str(adapters_root)}
     values.update({k: str(v) for k, v in parameters.items()})
-    return Engine(EngineConfig.from_parameters(values))
+    return Engine(EngineConfig.from_parameters(values, device=device))
 
 
 def _mixed_requests(adapter_names, per_adapter=3, seed=11):
@@ -78,8 +78,14 @@ def test_more_adapters_than_gpu_slots_are_served_in_waves(tiny_checkpoint, demo_
 def test_triton_kernels_in_the_engine(tiny_checkpoint, demo_adapters, peft_reference):
     """The Triton SGMV kernels (interpreted on CPU, real on GPU) inside a full forward."""
     pytest.importorskip("triton")
+    import torch
+
     names = ["enc-r4", "enc-heads-r16", "patterns-r12"]
-    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, kernel_backend="triton")
+    # Triton kernels need CUDA tensors where a GPU is present (the interpreter is on only without one)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    engine = _engine(
+        tiny_checkpoint, next(iter(demo_adapters.values())).parent, device, kernel_backend="triton", dtype="float32"
+    )
     requests = _mixed_requests(names, per_adapter=1, seed=13)
     got = engine.run(requests)
     _check_against_peft(requests, got, demo_adapters, peft_reference)
