@@ -173,8 +173,9 @@ class Engine:
             raise RequestError(INVALID_ARG, f"SCHEMA could not be encoded: {exc}") from None
         return part, metadata
 
-    def prepare(self, index: int, request: Request) -> Prepared:
-        """Validate and tokenize one request; raises RequestError."""
+    def prepare(self, index: int, request: Request, found: Optional[dict] = None) -> Prepared:
+        """Validate and tokenize one request; raises RequestError. ``found``: the adapters this
+        batch has already looked up, by id (filled here), so a batch checks each folder once."""
         if not isinstance(request.text, str) or not request.text.strip():
             raise RequestError(INVALID_ARG, "TEXT is empty")
         limit = self.config.max_request_tokens
@@ -186,10 +187,14 @@ class Engine:
             )
         adapter = None
         if request.adapter:
-            try:
-                adapter = self.store.get(request.adapter)
-            except AdapterError as exc:
-                raise RequestError(exc.code, exc.message) from None
+            adapter = None if found is None else found.get(request.adapter)
+            if adapter is None:
+                try:
+                    adapter = self.store.get(request.adapter)
+                except AdapterError as exc:
+                    raise RequestError(exc.code, exc.message) from None
+                if found is not None:
+                    found[request.adapter] = adapter
         part, metadata = self._parse_schema(request.schema)
         try:
             record = self.records.record(request.text, part)
@@ -312,12 +317,13 @@ class Engine:
     @torch.inference_mode()
     def run(self, requests: Sequence[Request]) -> list[Result]:
         # disk -> host loads of this batch's new adapters start now, in parallel, on the loader threads
-        self.store.prefetch(r.adapter for r in requests)
+        self.store.start_loads(r.adapter for r in requests)
         results: list[Optional[Result]] = [None] * len(requests)
         groups: dict[tuple, list[Prepared]] = defaultdict(list)
+        found: dict = {}
         for index, request in enumerate(requests):
             try:
-                prepared = self.prepare(index, request)
+                prepared = self.prepare(index, request, found)
             except RequestError as exc:
                 results[index] = exc
                 continue

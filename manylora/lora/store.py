@@ -254,6 +254,16 @@ class AdapterStore:
             for name in dict.fromkeys(n for n in adapter_ids if n)
         }
 
+    def start_loads(self, adapter_ids: Iterable[Optional[str]]) -> None:
+        """``prefetch`` for a batch that is about to ``get`` its adapters: starts the loads of the
+        ids not in host memory and returns nothing, so an id already there costs a dict lookup
+        (``prefetch`` makes a Future for each, ~10 µs apiece)."""
+        ids = dict.fromkeys(n for n in adapter_ids if n)
+        with self._lock:
+            missing = [n for n in ids if n not in self._host]
+        for name in missing:
+            self._prefetch(name, verify=False, count_miss=True)
+
     def _prefetch(self, adapter_id: str, verify: bool, count_miss: bool = False) -> Future:
         # count_miss: a load started for requests (a batch's prefetch) is their host miss;
         # a preload (control model, preload_adapters) is not a request and counts none

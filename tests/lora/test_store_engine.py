@@ -147,3 +147,24 @@ def test_hot_reload_and_removal(engine, fleet, peft_reference):
     got = engine.run(mixed)
     assert getattr(got[0], "code", None) == "NOT_FOUND"
     _check(mixed[1:], got[1:], _expected(mixed[1:], lambda n: source / n, peft_reference))
+
+
+def test_a_batch_looks_each_adapter_up_once(engine, fleet, monkeypatch):
+    """A batch repeating adapters checks each folder once (one host hit per adapter), and its
+    start-up prefetch makes no futures for adapters already in host memory; every request is
+    still answered with its own adapter."""
+    names = sorted(fleet[1])[:3]
+    for name in names:
+        engine.store.get(name)
+    looked_up, futures = [], []
+    get, prefetch = engine.store.get, engine.store._prefetch
+    monkeypatch.setattr(engine.store, "get", lambda name: looked_up.append(name) or get(name))
+    monkeypatch.setattr(engine.store, "_prefetch", lambda *a, **k: futures.append(a[0]) or prefetch(*a, **k))
+    hits = engine.store.stats()["events"]["host"]["hit"]
+    schema = json.dumps(demo_schemas()[0])
+    requests = [Request(t, schema, adapter=names[i % 3]) for i, t in enumerate(demo_texts(9, seed=5))]
+    results = engine.run(requests)
+    assert sorted(looked_up) == names and futures == []
+    assert engine.store.stats()["events"]["host"]["hit"] - hits == 3
+    alone = [engine.run([r])[0] for r in requests]  # each request in a batch of its own
+    assert [result_differences(a, b, atol=1e-5) for a, b in zip(results, alone)] == [[]] * len(requests)
