@@ -21,6 +21,42 @@ from manylora.engine import INTERNAL, INVALID_ARG, Engine, RequestError, freeze_
 
 logger = logging.getLogger(__name__)
 
+PROFILE_ENV = "MANYLORA_PROFILE_DIR"  # set: every instance profiles its execute() calls (README)
+
+
+class ExecuteProfiler:
+    """cProfile of an instance's ``execute()`` calls, for finding where a loaded server's host
+    time goes: on when ``MANYLORA_PROFILE_DIR`` is set in tritonserver's environment. Stats are
+    written to ``<dir>/<instance>-<pid>.prof`` every ``every`` calls and at unload; read them
+    with ``python -m pstats`` (several instances' files can be merged there with ``add``)."""
+
+    def __init__(self, folder: Optional[str], name: str, every: int = 50):
+        self.path = None if not folder else Path(folder) / f"{name or 'instance'}-{os.getpid()}.prof"
+        self.every, self.calls = every, 0
+        self.profile = None
+        if self.path is not None:
+            import cProfile
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.profile = cProfile.Profile()
+
+    def __enter__(self):
+        if self.profile is not None:
+            self.profile.enable()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.profile is None:
+            return
+        self.profile.disable()
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.dump()
+
+    def dump(self) -> None:
+        if self.profile is not None:
+            self.profile.dump_stats(str(self.path))
+
 
 def decode_request(get: Callable[[str], Optional[np.ndarray]]) -> Request:
     """Build a validated Request from a getter of input arrays (None when absent)."""
@@ -90,6 +126,7 @@ class TritonModelHandler:
         self.metrics = AdapterMetrics(
             pb_utils, {"model": args.get("model_name", "gliner2"), "instance": args.get("model_instance_name", "")}
         )
+        self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
         freeze_long_lived()  # this process keeps its engine for life: no full-collection pauses mid-batch
 
     def _error(self, exc: RequestError):
@@ -100,6 +137,10 @@ class TritonModelHandler:
     def execute(self, requests: list) -> list:
         """One response per request, in order; never raises (an exception here would fail
         every request of the dynamic batch with Triton's generic INTERNAL error)."""
+        with self.profiler:
+            return self._execute(requests)
+
+    def _execute(self, requests: list) -> list:
         pb = self.pb_utils
         decoded: list = []
         for request in requests:
@@ -143,6 +184,7 @@ class TritonModelHandler:
             return self._run(requests[:half]) + self._run(requests[half:])
 
     def finalize(self) -> None:
+        self.profiler.dump()
         self.metrics.close()
         if self.control is not None:
             self.control.close()

@@ -16,7 +16,7 @@ from manylora.client import protocol
 from manylora.client.protocol import Request
 
 from manylora.engine import RequestError
-from manylora.serving import TritonModelHandler, decode_request
+from manylora.serving import ExecuteProfiler, TritonModelHandler, decode_request
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DOCUMENTED = {"INVALID_ARG", "NOT_FOUND"}
@@ -64,7 +64,29 @@ def handler(tiny_checkpoint, demo_adapters):
     engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}))
     handler = TritonModelHandler.__new__(TritonModelHandler)  # the model.py path, minus Triton's args
     handler.pb_utils, handler.engine, handler.metrics = FakePbUtils, engine, NoMetrics()
+    handler.profiler = ExecuteProfiler(None, "")  # off, as without MANYLORA_PROFILE_DIR
     return handler
+
+
+def test_execute_profiler_writes_stats_of_the_profiled_calls(handler, tmp_path):
+    """With a folder (MANYLORA_PROFILE_DIR), execute() calls are profiled and their stats
+    written every ``every`` calls and on dump; without one, nothing is profiled or written."""
+    import pstats
+
+    profiler = ExecuteProfiler(str(tmp_path / "prof"), "gliner2_0", every=2)
+    request = {"TEXT": np.array([b"Ada Lovelace met Charles Babbage."], dtype=object)}
+    request["SCHEMA"] = np.array([json.dumps({"entities": ["person"]}).encode()], dtype=object)
+    off, handler.profiler = handler.profiler, profiler
+    try:
+        handler.execute([request])
+        assert not profiler.path.exists()
+        handler.execute([request])
+    finally:
+        handler.profiler = off
+    assert profiler.path.parent == tmp_path / "prof" and profiler.path.exists()
+    stats = pstats.Stats(str(profiler.path))
+    assert any(name == "run" and "engine" in file for file, _, name in stats.stats), "the engine ran inside"
+    assert off.profile is None and off.path is None
 
 
 json_values = st.recursive(
@@ -196,6 +218,7 @@ def test_execute_isolates_a_request_the_engine_raises_on():
 
     raising = TritonModelHandler.__new__(TritonModelHandler)
     raising.pb_utils, raising.engine, raising.metrics = FakePbUtils, RaisingEngine(), NoMetrics()
+    raising.profiler = ExecuteProfiler(None, "")
     texts = ["a", "b", "boom", "c", "d", "e", "f"]
     responses = raising.execute([Request(t, '{"entities": ["x"]}').to_arrays() for t in texts])
     for text, response in zip(texts, responses):
