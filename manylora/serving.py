@@ -28,21 +28,30 @@ class ExecuteProfiler:
     """cProfile of an instance's ``execute()`` calls, for finding where a loaded server's host
     time goes: on when ``MANYLORA_PROFILE_DIR`` is set in tritonserver's environment. Stats are
     written to ``<dir>/<instance>-<pid>.prof`` every ``every`` calls and at unload; read them
-    with ``python -m pstats`` (several instances' files can be merged there with ``add``)."""
+    with ``python -m pstats`` (several instances' files can be merged there with ``add``). Only
+    the thread that runs ``execute`` is profiled (not the adapter loader threads). A failure
+    (folder not writable, disk full) is logged once and turns profiling off: it never fails a
+    request or the model's load."""
 
     def __init__(self, folder: Optional[str], name: str, every: int = 50):
         self.path = None if not folder else Path(folder) / f"{name or 'instance'}-{os.getpid()}.prof"
-        self.every, self.calls = every, 0
+        self.every, self.calls = max(1, every), 0
         self.profile = None
         if self.path is not None:
-            import cProfile
+            try:
+                import cProfile
 
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.profile = cProfile.Profile()
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.profile = cProfile.Profile()
+            except Exception:
+                logger.exception("%s=%s: profiling stays off", PROFILE_ENV, folder)
 
     def __enter__(self):
         if self.profile is not None:
-            self.profile.enable()
+            try:
+                self.profile.enable()
+            except Exception:  # e.g. another profiler is active in this thread
+                self._off("starting the execute() profiler")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -55,7 +64,14 @@ class ExecuteProfiler:
 
     def dump(self) -> None:
         if self.profile is not None:
-            self.profile.dump_stats(str(self.path))
+            try:
+                self.profile.dump_stats(str(self.path))
+            except Exception:
+                self._off(f"writing {self.path}")
+
+    def _off(self, what: str) -> None:
+        logger.exception("%s failed; profiling is off for this instance", what)
+        self.profile = None
 
 
 def decode_request(get: Callable[[str], Optional[np.ndarray]]) -> Request:
@@ -184,7 +200,7 @@ class TritonModelHandler:
             return self._run(requests[:half]) + self._run(requests[half:])
 
     def finalize(self) -> None:
-        self.profiler.dump()
+        self.profiler.dump()  # never raises
         self.metrics.close()
         if self.control is not None:
             self.control.close()

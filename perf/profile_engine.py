@@ -163,10 +163,12 @@ def main(argv=None) -> int:
             forward_by, states_by = {}, {}
             default = engine.encoder.lora_write_first
             orders = {"update after": False, "written first": True}
-            for order, write_first in orders.items():
-                engine.encoder.lora_write_first = write_first
-                states_by[order], forward_by[order] = states_and_forward_ms()
-            engine.encoder.lora_write_first = default
+            try:
+                for order, write_first in orders.items():
+                    engine.encoder.lora_write_first = write_first
+                    states_by[order], forward_by[order] = states_and_forward_ms()
+            finally:
+                engine.encoder.lora_write_first = default
             gaps = {
                 order: round((states_by[order] - states_by["update after"]).abs().max().item(), 4)
                 for order in orders

@@ -89,6 +89,30 @@ def test_execute_profiler_writes_stats_of_the_profiled_calls(handler, tmp_path):
     assert off.profile is None and off.path is None
 
 
+def test_execute_profiler_failures_never_fail_requests(handler, tmp_path):
+    """A profile folder that cannot be made, or stats that cannot be written, turn profiling
+    off; execute() still answers and finalize-time dumps do not raise."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    request = {"TEXT": np.array([b"Grace Hopper worked at Harvard."], dtype=object)}
+    request["SCHEMA"] = np.array([json.dumps({"entities": ["person"]}).encode()], dtype=object)
+    unmade = ExecuteProfiler(str(blocker / "prof"), "gliner2_0")
+    assert unmade.profile is None
+    unwritable = ExecuteProfiler(str(tmp_path / "prof"), "gliner2_0", every=1)
+    (tmp_path / "prof").rmdir()
+    blocker.rename(tmp_path / "prof")  # the folder is now a file: every dump fails
+    off = handler.profiler
+    try:
+        for profiler in (unmade, unwritable):
+            handler.profiler = profiler
+            (response,) = handler.execute([request])
+            assert response.error is None and response.output_tensors
+    finally:
+        handler.profiler = off
+    assert unwritable.profile is None, "off after the failed dump"
+    unwritable.dump()
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),

@@ -260,7 +260,12 @@ class AdapterStore:
         (``prefetch`` makes a Future for each, ~10 µs apiece)."""
         ids = dict.fromkeys(n for n in adapter_ids if n)
         with self._lock:
-            missing = [n for n in ids if n not in self._host]
+            missing = []
+            for name in ids:
+                if name in self._host:  # most recent first: this batch's loads must not evict it
+                    self._host.move_to_end(name)
+                else:
+                    missing.append(name)
         for name in missing:
             self._prefetch(name, verify=False, count_miss=True)
 

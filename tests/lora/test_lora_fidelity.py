@@ -186,23 +186,35 @@ def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_check
 
     from manylora.lora.batch import LoraBatch
 
-    engine = _engine(tiny_checkpoint, next(iter(demo_adapters.values())).parent, dtype="float32")
+    root = next(iter(demo_adapters.values())).parent
+    engine = _engine(tiny_checkpoint, root, dtype="float32", max_gpu_adapters=5)
     names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
     texts = demo_texts(len(names), seed=31, min_words=8, max_words=16)
     schema = json.dumps(demo_schemas()[0])
     requests = [Request(t, schema, adapter=n) for t, n in zip(texts, names)]
-    batches = []
-    forward = engine.encoder.forward
+    batches, used = [], []
+    forward, factors = engine.encoder.forward, LoraBatch.position_factors
     monkeypatch.setattr(
         engine.encoder, "forward", lambda ids, mask, lora=None: batches.append(lora) or forward(ids, mask, lora)
     )
+    monkeypatch.setattr(
+        LoraBatch, "position_factors", lambda self, name, w: used.append((name, factors(self, name, w))) or used[-1][1]
+    )
     with torch.inference_mode():
+        # slot 0 (the last free one) holds an adapter that no row uses: the base row's group
+        # gathers slot 0's A, so only the mask keeps it out of the base row
+        engine.store.acquire([engine.store.get(n) for n in names if n])
+        assert engine.store.acquire([engine.store.get("enc-r4")]) == {"enc-r4": 0}
         (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
         prepared_states = engine.forward(list(chunk))[1].clone()
         lora = batches[-1]
         modules = engine.encoder.position_modules
-        window = engine.encoder.rel_table[:40]
+        assert 0 not in lora.row_slots.tolist() and -1 in lora.row_slots.tolist()
+        assert engine.store.a[modules[0]][0].abs().max() > 0
         assert lora._positions_window is not None and set(lora._positions) == set(modules) & lora.targets
+        assert used and all(got is lora._positions[name] for name, got in used), "the encoder used them"
+        monkeypatch.setattr(LoraBatch, "position_factors", factors)
+        window = engine.encoder.rel_table[:40]
         groups, (_, rank, hidden) = lora.group_slots.shape[0], engine.store.a[modules[0]].shape
         monkeypatch.setattr(LoraBatch, "POSITION_CHUNK", 2 * groups * rank * hidden)
         lora.prepare_positions(modules, window)

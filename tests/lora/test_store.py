@@ -72,6 +72,19 @@ def test_host_lru_is_bounded(store):
     assert store.loads["disk"] == 5, "a hit reads nothing from disk"
 
 
+def test_start_loads_keeps_the_batch_s_resident_adapters_over_its_own_loads(store):
+    """A batch's start-up loads evict host adapters, but not the resident ones the same batch
+    is about to use: start_loads marks those most recent before any load begins."""
+    for name in ("a0", "a1", "a2"):
+        store.get(name)
+    store.start_loads(["a0", "a3", "", None])
+    store.get("a3")  # waits for (or does) the load started above
+    assert store.resident()["host"] == ["a2", "a0", "a3"], "a1 is the least recent: it goes"
+    loads = store.loads["disk"]
+    store.get("a0")
+    assert store.loads["disk"] == loads == 4, "a0 stayed in host memory"
+
+
 def test_a_wave_larger_than_the_slots_is_a_bug_not_an_eviction(store):
     with pytest.raises(AssertionError, match="plan waves"):
         store.acquire([store.get("a0"), store.get("a1"), store.get("a2")])

@@ -110,7 +110,7 @@ def test_more_adapters_than_both_tiers_under_background_churn(engine, fleet, pef
     answers = []
     try:
         for requests in batches:
-            store.prefetch(r.adapter for r in requests)  # what Engine.run would do first
+            store.prefetch(r.adapter for r in requests)  # loads in flight before the batch asks
             answers.append(engine.run(requests))
     finally:
         stop.set()
