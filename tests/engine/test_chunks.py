@@ -36,9 +36,9 @@ def test_a_failing_prepare_fails_only_its_request(tiny_engine, monkeypatch):
 
 
 def _raising_prepare(prepare):
-    def wrapped(index, request):
+    def wrapped(index, request, *rest):
         if "boom" in request.text:
             raise KeyError("a bug in prepare")
-        return prepare(index, request)
+        return prepare(index, request, *rest)
 
     return wrapped
