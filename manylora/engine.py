@@ -317,7 +317,7 @@ class Engine:
     @torch.inference_mode()
     def run(self, requests: Sequence[Request]) -> list[Result]:
         # disk -> host loads of this batch's new adapters start now, in parallel, on the loader threads
-        self.store.start_loads(r.adapter for r in requests)
+        self.store.prefetch(r.adapter for r in requests)
         results: list[Optional[Result]] = [None] * len(requests)
         groups: dict[tuple, list[Prepared]] = defaultdict(list)
         found: dict = {}

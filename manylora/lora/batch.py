@@ -61,7 +61,6 @@ class LoraBatch:
         # every row has an adapter: a target's output can be written as bias + update first, and
         # the base GEMM add itself in its epilogue (see writes_first)
         self.write_first = write_first and len(used) == len(slot_per_row) > 0
-        self.row_len = row_len
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -123,39 +122,20 @@ class LoraBatch:
             bias=bias,
         )
 
-    # elements of one chunk's gathered A: bounds prepare_positions' temporaries (that bf16 buffer,
+    # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,
     # its float32 copy and the float32 GEMM output: ~0.2 GB at this size for GLiNER2-base)
     POSITION_CHUNK = 1 << 24
 
     def prepare_positions(self, names: Sequence[str], window: torch.Tensor) -> None:
-        """The position factors of every module in ``names`` (those of this forward's ``window``)
-        in a handful of launches: the A rows of the batch's slots gathered into one buffer, one
-        GEMM against the window and one scale for all modules, where one module at a time takes
-        about eight small launches (~190 per GLiNER2-base forward). ``position_factors`` then
-        returns views of the result for this window. The factors of all modules stay alive for
-        the forward: 2 bytes x modules x slot groups x max rank x window (24 x 257 x 16 x 368:
-        ~73 MB for a 256-row GLiNER2-base batch of 224 tokens at rank 16)."""
+        """The position factors (``position_factors``) of every module in ``names`` for this
+        forward's ``window``, in a handful of launches: per chunk of modules, the A rows of the
+        batch's slots gathered into one buffer, one GEMM against the window and one scale, where
+        one module at a time takes about eight small launches (~190 per GLiNER2-base forward).
+        The factors of all modules stay alive for the forward: 2 bytes x modules x slot groups x
+        max rank x window (24 x 257 x 16 x 368: ~73 MB for a 256-row GLiNER2-base batch of 224
+        tokens at rank 16)."""
         self._positions, self._positions_window = {}, window
-        names = [n for n in names if n in self.targets]
-        store = self.store
-        if not names or len({store.a[n].shape for n in names}) != 1:  # mixed widths: one at a time
-            return
-        groups = self.group_slots.shape[0]
-        _, rank, hidden = store.a[names[0]].shape
-        per = max(1, self.POSITION_CHUNK // (groups * rank * hidden))
-        for start in range(0, len(names), per):
-            part = names[start : start + per]
-            a = torch.empty(len(part), groups, rank, hidden, dtype=store.dtype, device=window.device)
-            for k, name in enumerate(part):
-                torch.index_select(store.a[name], 0, self.group_slots, out=a[k])
-            scales = torch.stack([store.scales[name] for name in part]).index_select(1, self.group_slots)
-            scales = scales * self.group_has_adapter  # [N, G]; base rows get 0
-            with _exact_tf32(a.dtype, window.dtype):
-                v = torch.matmul(a.view(-1, hidden).float(), window.float().t())  # [N*G*R, W]
-            del a
-            v = v.view(len(part), groups, rank, -1).mul_(scales[:, :, None, None]).to(window.dtype)
-            for k, name in enumerate(part):
-                self._positions[name] = PositionLora(store.b[name], v[k], self.row_slots, self.row_group)
+        self._add_positions([n for n in names if n in self.targets], window)
 
     def position_factors(self, name: str, window: torch.Tensor) -> Optional[PositionLora]:
         """Each row's LoRA on the position table through ``name``, in low-rank form.
@@ -164,18 +144,38 @@ class LoraBatch:
         row b's projected table is ``base + s_b (window A_bᵀ) B_bᵀ``. Scores against it
         (``x · tableᵀ``) split into the base scores plus ``(x B_b) (s_b A_b windowᵀ)``, so a
         row never needs its own [W, H] table. None when no adapter of the batch adapts ``name``.
-        From ``prepare_positions`` when it ran for this window, else computed here.
+        Prepared for all modules at once by ``prepare_positions``; a module or window it did not
+        cover is computed here, alone.
         """
         if name not in self.targets:
             return None
-        if window is self._positions_window and name in self._positions:
-            return self._positions[name]
+        if window is not self._positions_window:
+            self.prepare_positions([], window)
+        if name not in self._positions:
+            self._add_positions([name], window)
+        return self._positions[name]
+
+    def _add_positions(self, names: list[str], window: torch.Tensor) -> None:
         store = self.store
-        a = store.a[name].index_select(0, self.group_slots)  # [G, R, in]
-        scale = store.scales[name].index_select(0, self.group_slots) * self.group_has_adapter  # [G]
-        with _exact_tf32(a.dtype, window.dtype):
-            v = torch.matmul(a.float(), window.float().t()) * scale.view(-1, 1, 1)  # [G, R, W]
-        return PositionLora(store.b[name], v.to(window.dtype), self.row_slots, self.row_group)
+        by_shape: dict[tuple, list[str]] = {}
+        for name in names:  # modules of one A shape share a GEMM
+            by_shape.setdefault(tuple(store.a[name].shape), []).append(name)
+        groups = self.group_slots.shape[0]
+        for (_, rank, hidden), same in by_shape.items():
+            per = max(1, self.POSITION_CHUNK // (groups * rank * hidden))
+            for start in range(0, len(same), per):
+                part = same[start : start + per]
+                a = torch.empty(len(part), groups, rank, hidden, dtype=store.dtype, device=window.device)
+                for k, name in enumerate(part):
+                    torch.index_select(store.a[name], 0, self.group_slots, out=a[k])
+                scales = torch.stack([store.scales[name] for name in part]).index_select(1, self.group_slots)
+                scales = scales * self.group_has_adapter  # [N, G]; base rows get 0
+                with _exact_tf32(a.dtype, window.dtype):
+                    v = torch.matmul(a.view(-1, hidden).float(), window.float().t())  # [N*G*R, W]
+                del a
+                v = v.view(len(part), groups, rank, -1).mul_(scales[:, :, None, None]).to(window.dtype)
+                for k, name in enumerate(part):
+                    self._positions[name] = PositionLora(store.b[name], v[k], self.row_slots, self.row_group)
 
 
 @contextmanager

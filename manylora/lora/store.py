@@ -247,27 +247,19 @@ class AdapterStore:
     def prefetch(self, adapter_ids: Iterable[Optional[str]]) -> dict[str, Future]:
         """Start loading what is not in host memory yet, on the loader threads; returns at once.
 
-        One future per distinct id (its LoraAdapter, or its AdapterError). An adapter already in
-        host memory is not looked up on disk again here: ``get`` does that when it is used."""
-        return {
-            name: self._prefetch(name, verify=False, count_miss=True)
-            for name in dict.fromkeys(n for n in adapter_ids if n)
-        }
-
-    def start_loads(self, adapter_ids: Iterable[Optional[str]]) -> None:
-        """``prefetch`` for a batch that is about to ``get`` its adapters: starts the loads of the
-        ids not in host memory and returns nothing, so an id already there costs a dict lookup
-        (``prefetch`` makes a Future for each, ~10 µs apiece)."""
+        One future (its LoraAdapter, or its AdapterError) per distinct id that is not in host
+        memory. Ids already there get none and cost a dict lookup: they are marked most recent,
+        so that the loads started here do not evict them, and are not looked up on disk again
+        (``get`` does that when it is used)."""
         ids = dict.fromkeys(n for n in adapter_ids if n)
         with self._lock:
             missing = []
             for name in ids:
-                if name in self._host:  # most recent first: this batch's loads must not evict it
+                if name in self._host:
                     self._host.move_to_end(name)
                 else:
                     missing.append(name)
-        for name in missing:
-            self._prefetch(name, verify=False, count_miss=True)
+        return {name: self._prefetch(name, verify=False, count_miss=True) for name in missing}
 
     def _prefetch(self, adapter_id: str, verify: bool, count_miss: bool = False) -> Future:
         # count_miss: a load started for requests (a batch's prefetch) is their host miss;

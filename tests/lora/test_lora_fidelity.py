@@ -179,9 +179,9 @@ def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adap
 
 def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_checkpoint, demo_adapters, monkeypatch):
     """LoraBatch.prepare_positions (every position module's factors in a few launches, here in
-    chunks of two modules) gives each module what position_factors computes for it alone, on a
-    batch with adapters of different targets and ranks and a base row; the encoder takes the
-    prepared factors, and its states are those of the one-module-at-a-time path."""
+    chunks of two modules) gives each module s·A·windowᵀ of its row groups' slots (float32
+    reference below), on a batch with adapters of different targets and ranks and a base row;
+    the encoder takes the prepared factors, and its states are those of one module per chunk."""
     import torch
 
     from manylora.lora.batch import LoraBatch
@@ -219,15 +219,17 @@ def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_check
         monkeypatch.setattr(LoraBatch, "POSITION_CHUNK", 2 * groups * rank * hidden)
         lora.prepare_positions(modules, window)
         assert len([m for m in modules if m in lora.targets]) > 2, "more than one chunk of modules"
+        slots, has = lora.group_slots.tolist(), lora.group_has_adapter.tolist()
         for name in modules:
-            at_once = lora.position_factors(name, window)
-            alone = lora.position_factors(name, window.clone())  # another window: computed alone
+            got = lora.position_factors(name, window)
             if name not in lora.targets:
-                assert at_once is None and alone is None
+                assert got is None
                 continue
-            assert at_once is lora._positions[name] and alone is not at_once
-            torch.testing.assert_close(at_once.v, alone.v, atol=1e-5, rtol=1e-5)
-            assert at_once.v.abs().max() > 0 and at_once.lora_b is alone.lora_b
-        monkeypatch.setattr(LoraBatch, "prepare_positions", lambda self, names, window: None)
+            assert got is lora._positions[name] and got.lora_b is engine.store.b[name]
+            a, scale = engine.store.a[name], engine.store.scales[name]
+            want = torch.stack([h * scale[s] * a[s].double() @ window.double().t() for s, h in zip(slots, has)])
+            torch.testing.assert_close(got.v.double(), want, atol=1e-5, rtol=1e-5)
+            assert want.abs().max() > 0
+        monkeypatch.setattr(LoraBatch, "POSITION_CHUNK", 1)  # one module per chunk
         alone_states = engine.forward(list(chunk))[1]
     torch.testing.assert_close(prepared_states, alone_states, atol=1e-5, rtol=1e-5)

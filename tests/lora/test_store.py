@@ -72,12 +72,12 @@ def test_host_lru_is_bounded(store):
     assert store.loads["disk"] == 5, "a hit reads nothing from disk"
 
 
-def test_start_loads_keeps_the_batch_s_resident_adapters_over_its_own_loads(store):
+def test_prefetch_keeps_the_batch_s_resident_adapters_over_its_own_loads(store):
     """A batch's start-up loads evict host adapters, but not the resident ones the same batch
-    is about to use: start_loads marks those most recent before any load begins."""
+    is about to use: prefetch marks those most recent before any load begins."""
     for name in ("a0", "a1", "a2"):
         store.get(name)
-    store.start_loads(["a0", "a3", "", None])
+    assert list(store.prefetch(["a0", "a3", "", None])) == ["a3"], "a future only for what is not in memory"
     store.get("a3")  # waits for (or does) the load started above
     assert store.resident()["host"] == ["a2", "a0", "a3"], "a1 is the least recent: it goes"
     loads = store.loads["disk"]
