@@ -35,7 +35,8 @@ else
 	@mkdir -p models/no-adapters
 	$(PY) -m manylora.tritonserver --model-repository $(MODEL_REPOSITORY) \
 		--parameter gliner2:checkpoint=$(abspath $(CHECKPOINT)) \
-		--parameter gliner2:adapter_dir=$(abspath $(or $(ADAPTER_DIR),models/no-adapters))
+		--parameter gliner2_core:checkpoint=$(abspath $(CHECKPOINT)) \
+		--parameter gliner2_core:adapter_dir=$(abspath $(or $(ADAPTER_DIR),models/no-adapters))
 endif
 
 # the fault-injection soak runs in every `make test`, bounded to this many seconds

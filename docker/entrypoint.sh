@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Container entrypoint: find the checkpoint (or build the tiny demo one when none is mounted),
-# render the model repository from the environment (docker/render_config.py), then exec
-# tritonserver: it gets the container's signals, and its exit code is the container's.
+# render the model repository from the environment (docker/render_config.py: the gliner2
+# CPU front, its GPU stage gliner2_core and manylora_control), then exec tritonserver: it
+# gets the container's signals, and its exit code is the container's. tritonserver loads
+# every model of the rendered repository, and /v2/health/ready answers 200 only once all of
+# them are ready (--strict-readiness): the front and its GPU stage.
 #
-#   MANYLORA_CHECKPOINT    GLiNER2 checkpoint folder (default /models/checkpoint)
-#   MANYLORA_ADAPTER_DIR   folder of PEFT adapter folders (default /models/adapters;
-#                          set it empty to serve the base model only)
+#   MANYLORA_CHECKPOINT    GLiNER2 checkpoint folder (default /models/checkpoint): the
+#                          weights of gliner2_core, the tokenizer of gliner2
+#   MANYLORA_ADAPTER_DIR   folder of PEFT adapter folders, read by gliner2_core (default
+#                          /models/adapters; set it empty to serve the base model only)
 #   MANYLORA_DEMO          if-missing (default): no config.json in MANYLORA_CHECKPOINT builds
 #                          the tiny demo checkpoint in MANYLORA_RUN_DIR, and the demo adapters
 #                          when the adapter folder is empty (random weights, meaningless
 #                          answers; about a minute), and serves them; never: a missing
 #                          checkpoint stops the container (production)
-#   MANYLORA_PARAM_<KEY>, MANYLORA_GPUS, MANYLORA_INSTANCES_PER_GPU: see render_config.py
+#   MANYLORA_PARAM_<KEY>, MANYLORA_GPUS, MANYLORA_INSTANCES_PER_GPU (gliner2_core),
+#   MANYLORA_FRONT_INSTANCES (gliner2): see render_config.py
 #   MANYLORA_RUN_DIR       writable folder for the rendered repository and the demo
 #                          (default /tmp/manylora)
 #
@@ -55,7 +60,7 @@ if [[ ! -f $checkpoint/config.json ]]; then
 fi
 
 export MANYLORA_CHECKPOINT=$checkpoint MANYLORA_ADAPTER_DIR=$adapters
-echo "entrypoint: model repository $run_dir/model_repository, gliner2 config:"
+echo "entrypoint: model repository $run_dir/model_repository, the rendered configs:"
 python3 "$app/docker/render_config.py" --source "$app/model_repository" --out "$run_dir/model_repository"
 
 # NVIDIA's own entrypoint prints the image's banner and checks the driver and --shm-size.
@@ -64,5 +69,6 @@ if [[ -x /opt/nvidia/nvidia_entrypoint.sh ]]; then launcher=(/opt/nvidia/nvidia_
 exec ${launcher[@]+"${launcher[@]}"} tritonserver \
   --model-repository="$run_dir/model_repository" \
   --disable-auto-complete-config \
+  --strict-readiness=true \
   --exit-timeout-secs="${MANYLORA_EXIT_TIMEOUT_SECS:-30}" \
   "$@"

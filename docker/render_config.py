@@ -1,21 +1,46 @@
-"""Render the model repository the container serves: the committed one, with the gliner2
-model's parameters and instance group taken from the environment.
+"""Render the model repository the container serves: the committed one, with the pipeline's
+parameters and instance groups taken from the environment.
+
+The committed repository is a pipeline: ``gliner2``, the public model, is a CPU front
+(pre- and post-processing, ``count`` instances of ``KIND_CPU``) that sends every batch's rows
+by BLS to ``gliner2_core``, the GPU stage, which holds every engine parameter and the only
+adapter cache of its GPU. ``manylora_control`` reaches the gliner2_core instances.
 
 The entrypoint runs this once per start, into a writable folder, and points tritonserver
-at the copy. The committed config.pbtxt stays the single source of the inputs, outputs and
-batching; only what a deployment sets changes:
+at the copy. The committed config.pbtxt files stay the single source of the inputs, outputs
+and batching; only what a deployment sets changes:
 
-    MANYLORA_CHECKPOINT          -> parameter checkpoint (absolute path)
-    MANYLORA_ADAPTER_DIR         -> parameter adapter_dir; empty = no adapters (base model only)
-    MANYLORA_PARAM_<KEY>=value   -> parameter <key>, e.g. MANYLORA_PARAM_MAX_GPU_ADAPTERS=64
-    MANYLORA_GPUS                -> instance_group: "" keeps the committed one (one instance per
-                                    visible GPU, CPU where none); "all" = KIND_GPU on every GPU;
-                                    "0,1,3" = KIND_GPU on those device ids
-    MANYLORA_INSTANCES_PER_GPU   -> count of that group (default 1); each instance is its own
-                                    process with its own adapter cache
+    MANYLORA_CHECKPOINT          -> parameter checkpoint of gliner2 (tokenizer and decoding
+                                    settings) and of gliner2_core (the weights)
+    MANYLORA_ADAPTER_DIR         -> parameter adapter_dir of gliner2_core; empty = no adapters
+                                    (base model only)
+    MANYLORA_PARAM_<KEY>=value   -> parameter <key> of gliner2_core, e.g.
+                                    MANYLORA_PARAM_MAX_GPU_ADAPTERS=64; except the front's keys:
+                                    checkpoint and max_request_tokens go to both models,
+                                    core_model to gliner2 only; control_dir also goes to
+                                    manylora_control (both must name the same folder; 'none'
+                                    leaves manylora_control as committed, with no instance
+                                    to reach)
+    MANYLORA_GPUS                -> gliner2_core's instance_group: "" keeps the committed one
+                                    (one instance per visible GPU, CPU where none); "all" =
+                                    KIND_GPU on every GPU; "0,1,3" = KIND_GPU on those device ids
+    MANYLORA_INSTANCES_PER_GPU   -> count of that group (default 1, the recommended value:
+                                    each instance is its own process with its own copy of the
+                                    weights and its own adapter cache, and one per GPU keeps
+                                    every adapter in one cache per GPU; the fronts, not more
+                                    core instances, scale the CPU work)
+    MANYLORA_FRONT_INSTANCES     -> count of gliner2's instance group (KIND_CPU; default: the
+                                    committed count): one process each, about one busy core
+                                    each under load
 
-Parameter values are not checked here: the model checks every one strictly when it loads
-(manylora.config), and an unknown key stops it with a message that names the key.
+MANYLORA_PARAM_CORE_MODEL=none serves the old single-model layout: gliner2 runs every stage
+itself, so it takes gliner2_core's committed parameters and instance group and every
+setting above (MANYLORA_FRONT_INSTANCES is refused), and gliner2_core is left out of the copy.
+
+Relative paths (checkpoint, adapter_dir, control_dir), committed or set here, are made
+absolute from the committed model folder, so they keep their meaning in the copy. Parameter
+values are not checked here: each model checks every one strictly when it loads
+(manylora.config), and an unknown key stops gliner2_core with a message that names the key.
 
     python3 docker/render_config.py --source model_repository --out /tmp/manylora/model_repository
 """
@@ -29,8 +54,16 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-MODEL = "gliner2"
+FRONT = "gliner2"
+CORE = "gliner2_core"
+CONTROL = "manylora_control"
 PARAM_PREFIX = "MANYLORA_PARAM_"
+# the parameters a front instance reads (manylora.serving.TritonModelHandler with core_model
+# set); every other one is the GPU stage's
+FRONT_KEYS = frozenset({"checkpoint", "max_request_tokens", "core_model"})
+FRONT_ONLY_KEYS = frozenset({"core_model"})
+PATH_KEYS = ("checkpoint", "adapter_dir", "control_dir")
+SINGLE_MODEL = "none"  # core_model value: the front runs every stage itself
 
 
 class RenderError(ValueError):
@@ -50,16 +83,16 @@ def _gpu_ids(raw: str) -> list[int] | None:
     return ids
 
 
-def render_config(text: str, env: Mapping[str, str], model_dir: Path | None = None) -> str:
-    """The config.pbtxt text with ``env``'s settings applied (comments are not kept).
+def _count(env: Mapping[str, str], name: str, default: str) -> int:
+    raw = env.get(name, default).strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise RenderError(f"{name}: expected a positive integer, got {raw!r}")
+    return int(raw)
 
-    Relative checkpoint and adapter paths are made absolute from ``model_dir`` (the committed
-    model folder), so they keep their meaning in the copy.
-    """
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
 
-    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+def environment_parameters(env: Mapping[str, str]) -> dict[str, str]:
+    """Every parameter the environment sets, by key (MANYLORA_PARAM_<KEY> wins over the
+    MANYLORA_CHECKPOINT / MANYLORA_ADAPTER_DIR shorthands)."""
     parameters = {}
     if "MANYLORA_CHECKPOINT" in env:
         parameters["checkpoint"] = env["MANYLORA_CHECKPOINT"]
@@ -68,43 +101,141 @@ def render_config(text: str, env: Mapping[str, str], model_dir: Path | None = No
     for name, value in env.items():
         if name.startswith(PARAM_PREFIX) and len(name) > len(PARAM_PREFIX):
             parameters[name[len(PARAM_PREFIX) :].lower()] = value
+    return parameters
+
+
+def route(parameters: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(gliner2's, gliner2_core's) share of the environment's parameters in the pipeline."""
+    front = {k: v for k, v in parameters.items() if k in FRONT_KEYS}
+    core = {k: v for k, v in parameters.items() if k not in FRONT_ONLY_KEYS}
+    return front, core
+
+
+def _parse(text: str):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def _absolute(value: str, model_dir: Path | None) -> str:
+    if model_dir is None or value in ("auto", "none") or Path(value).is_absolute():
+        return value
+    return os.path.normpath(model_dir.resolve() / value)
+
+
+def _set_parameters(config, parameters: Mapping[str, str], model_dir: Path | None) -> None:
+    """Apply ``parameters`` (an empty adapter_dir removes it), then make every path absolute
+    from ``model_dir``."""
     for key, value in sorted(parameters.items()):
         if key == "adapter_dir" and not value:
             config.parameters.pop(key, None)
         else:
             config.parameters[key].string_value = value
-    for key in ("checkpoint", "adapter_dir"):
-        if model_dir is not None and key in config.parameters:
-            path = Path(config.parameters[key].string_value)
-            if not path.is_absolute():
-                config.parameters[key].string_value = os.path.normpath(model_dir.resolve() / path)
+    for key in PATH_KEYS:
+        if key in config.parameters:
+            config.parameters[key].string_value = _absolute(config.parameters[key].string_value, model_dir)
+
+
+def _set_gpu_instances(config, env: Mapping[str, str]) -> None:
+    """MANYLORA_GPUS / MANYLORA_INSTANCES_PER_GPU on the model that runs the engine."""
+    from tritonclient.grpc import model_config_pb2
 
     gpus = env.get("MANYLORA_GPUS", "").strip()
-    count_raw = env.get("MANYLORA_INSTANCES_PER_GPU", "1")
-    if not count_raw.isdigit() or int(count_raw) < 1:
-        raise RenderError(f"MANYLORA_INSTANCES_PER_GPU: expected a positive integer, got {count_raw!r}")
+    count = _count(env, "MANYLORA_INSTANCES_PER_GPU", "1")
     if gpus:
         ids = _gpu_ids(gpus)
         del config.instance_group[:]
         group = config.instance_group.add()
-        group.count = int(count_raw)
+        group.count = count
         group.kind = model_config_pb2.ModelInstanceGroup.Kind.KIND_GPU
         if ids is not None:
             group.gpus.extend(ids)
     elif "MANYLORA_INSTANCES_PER_GPU" in env:
         for group in config.instance_group:
-            group.count = int(count_raw)
-    return text_format.MessageToString(config)
+            group.count = count
 
 
-def render_repository(source: Path, out: Path, env: Mapping[str, str]) -> Path:
-    """Copy ``source`` to ``out`` (replacing it) with the gliner2 config rendered."""
+def _set_front_instances(config, env: Mapping[str, str]) -> None:
+    from tritonclient.grpc import model_config_pb2
+
+    if "MANYLORA_FRONT_INSTANCES" not in env:
+        return
+    count = _count(env, "MANYLORA_FRONT_INSTANCES", "")
+    del config.instance_group[:]
+    group = config.instance_group.add()
+    group.count = count
+    group.kind = model_config_pb2.ModelInstanceGroup.Kind.KIND_CPU
+
+
+def render_models(source: Path, env: Mapping[str, str]) -> dict[str, str | None]:
+    """The rendered config.pbtxt text of each model of ``source`` that the environment
+    changes (comments are not kept), by model name; None = leave that model out of the copy.
+    gliner2 and gliner2_core are always rendered (their paths are made absolute)."""
+    from google.protobuf import text_format
+
+    front = _parse((source / FRONT / "config.pbtxt").read_text())
+    core = _parse((source / CORE / "config.pbtxt").read_text())
+    parameters = environment_parameters(env)
+    committed = front.parameters["core_model"].string_value if "core_model" in front.parameters else SINGLE_MODEL
+    core_model = parameters.get("core_model", committed).strip()
+    if core_model not in (CORE, SINGLE_MODEL):
+        raise RenderError(
+            f"MANYLORA_PARAM_CORE_MODEL: expected {CORE!r} (the pipeline) or {SINGLE_MODEL!r} "
+            f"(one model runs every stage), got {core_model!r}"
+        )
+    rendered: dict[str, str | None] = {}
+    if core_model == SINGLE_MODEL:
+        if "MANYLORA_FRONT_INSTANCES" in env:
+            raise RenderError(
+                "MANYLORA_FRONT_INSTANCES: there is no CPU front with core_model 'none'; "
+                "set MANYLORA_GPUS / MANYLORA_INSTANCES_PER_GPU instead"
+            )
+        # gliner2 becomes the engine: the GPU stage's parameters and instance group
+        _set_parameters(core, {}, source / CORE)
+        _set_parameters(front, {}, source / FRONT)
+        for key, value in core.parameters.items():
+            if key not in front.parameters:
+                front.parameters[key].string_value = value.string_value
+        del front.instance_group[:]
+        front.instance_group.extend(core.instance_group)
+        _set_parameters(front, parameters, source / FRONT)
+        _set_gpu_instances(front, env)
+        rendered[FRONT] = text_format.MessageToString(front)
+        rendered[CORE] = None
+        engine_parameters = parameters
+    else:
+        front_parameters, core_parameters = route(parameters)
+        _set_parameters(front, front_parameters, source / FRONT)
+        _set_front_instances(front, env)
+        _set_parameters(core, core_parameters, source / CORE)
+        _set_gpu_instances(core, env)
+        rendered[FRONT] = text_format.MessageToString(front)
+        rendered[CORE] = text_format.MessageToString(core)
+        engine_parameters = core_parameters
+    control_dir = engine_parameters.get("control_dir", "").strip()
+    if control_dir and control_dir != "none" and (source / CONTROL / "config.pbtxt").is_file():
+        engine_dir = source / (FRONT if core_model == SINGLE_MODEL else CORE)
+        control = _parse((source / CONTROL / "config.pbtxt").read_text())
+        # the same folder as the engine's, even when it was given relative (from the engine's folder)
+        control.parameters["control_dir"].string_value = _absolute(control_dir, engine_dir)
+        rendered[CONTROL] = text_format.MessageToString(control)
+    return rendered
+
+
+def render_repository(source: Path, out: Path, env: Mapping[str, str]) -> dict[str, str | None]:
+    """Copy ``source`` to ``out`` (replacing it) with the rendered configs; the rendered
+    models, as render_models returns them."""
+    rendered = render_models(source, env)  # first: a bad setting leaves ``out`` alone
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("__pycache__"))
-    config = out / MODEL / "config.pbtxt"
-    config.write_text(render_config(config.read_text(), env, model_dir=source / MODEL))
-    return out
+    for name, text in rendered.items():
+        if text is None:
+            shutil.rmtree(out / name)
+        else:
+            (out / name / "config.pbtxt").write_text(text)
+    return rendered
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,11 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="where to write the rendered copy")
     args = parser.parse_args(argv)
     try:
-        out = render_repository(args.source, args.out, os.environ)
+        rendered = render_repository(args.source, args.out, os.environ)
     except RenderError as err:
         print(f"render_config: {err}", file=sys.stderr)
         return 2
-    print((out / MODEL / "config.pbtxt").read_text(), end="")
+    for name, text in rendered.items():
+        if text is None:
+            print(f"# {name}: left out (core_model none: {FRONT} runs every stage)")
+        else:
+            print(f"# {name}/config.pbtxt\n{text}", end="" if text.endswith("\n") else "\n")
     return 0
 
 

@@ -68,6 +68,16 @@ def _control_dir(key: str, raw: str) -> str:
     return _path(key, raw)
 
 
+def _model_name(key: str, raw: str) -> str:
+    """'none' (run every stage in this instance) or the name of the GPU-stage model."""
+    name = raw.strip()
+    if name == "none":
+        return ""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name):
+        raise ConfigError(f"parameter {key!r}: expected 'none' or a Triton model name, got {raw!r}")
+    return name
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -90,6 +100,7 @@ class EngineConfig:
     preload_adapters: str = ""
     control_dir: str = "auto"
     cpu_threads: int = 0  # 0 = auto
+    core_model: str = ""  # "" = this instance runs pre, GPU stage and post itself
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -130,6 +141,12 @@ class EngineConfig:
             False,
             "folder where the manylora_control model meets this model's instances: 'auto' (one per "
             "tritonserver, under the temp folder), 'none' (no adapter control) or a path",
+        ),
+        "core_model": (
+            _model_name,
+            False,
+            "the GPU-stage model this CPU front sends its batches to (BLS), e.g. gliner2_core; "
+            "'none' (default) = this instance runs every stage itself",
         ),
     }
 

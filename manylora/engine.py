@@ -1,14 +1,19 @@
-"""Engine: requests in, GLiNER2 results out, every request succeeding or failing alone.
+"""Engine: the GPU stage of the pipeline, and the three stages composed in-process.
 
-The work is split the way serving engines split it, each part testable alone:
+The work is split into stages with a small, serializable boundary between them, so that in
+Triton each runs where it scales (``docs/architecture.md``):
 
-* ``prepare`` (pre): validate one request, parse its schema (cached per schema text),
-  build GLiNER2's record for it (``RecordBuilder``: the schema half once per schema).
-* ``forward`` (core): order a chunk's rows by adapter slot, pad, run our encoder once,
-  every row with its own adapter's LoRA (SGMV) and position tables.
-* ``decode`` (post): GLiNER2's heads and decoders on the encoder output, with our span-logit
-  batching routing each row's head LoRA (``HeadLoras``), then GLiNER2's result formatting.
+* pre (``manylora.pre``, CPU): validate one request, parse its schema (cached per schema
+  text), build GLiNER2's record for it.
+* core (here, GPU): look the adapters up, order a chunk's rows by adapter slot, pad, run our
+  encoder once with every row's LoRA (SGMV), then the heads on the whole chunk, each row with
+  its own head LoRA (``HeadLoras``), and keep only what decoding can read: per-row scores at or
+  above the row's own lowest threshold, class probabilities and counts (``post.compact_batch``,
+  one device-to-host copy per chunk).
+* post (``manylora.post``, CPU): those compact rows -> GLiNER2's JSON, in our own code.
 
+``Engine.run`` composes the three in one process (tests, benchmarks, the single-instance
+mode); ``Engine.run_core`` is the GPU stage alone, fed by the Triton front's BLS calls.
 GLiNER2 itself is the reference: an answer equals ``GLiNER2.batch_extract`` (with PEFT and
 that request's adapter) for the same text, schema and options; tests check that directly.
 """
@@ -16,71 +21,50 @@ that request's adapter) for the same text, schema and options; tests check that 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
-from collections import defaultdict, deque
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Optional, Sequence, Union
+from collections import deque
+from typing import Optional, Sequence, Union
 
 import torch
 
 from manylora.client.protocol import Request  # the wire contract's validated request
 from manylora.config import EngineConfig
-from manylora.decode import bind_fast_decoding
+from manylora.decode import encode_padded
 from manylora.encoder import Encoder
+from manylora.errors import INTERNAL, INVALID_ARG, NOT_FOUND, UNAVAILABLE, RequestError
 from manylora.kernels import SgmvMetaBuilder
-from manylora.lora.adapter import AdapterError, LoraAdapter
+from manylora.lora.adapter import AdapterError
 from manylora.lora.batch import LoraBatch
 from manylora.lora.heads import HeadLoras
 from manylora.lora.store import AdapterStore, plan_waves
-from manylora.preprocess import RecordBuilder
+from manylora.post import CompactRow, PostDecoder, compact_batch, needs_raw_logits, skipped_tasks
+from manylora.pre import CHARS_PER_TOKEN_BOUND, Prepared, Preprocessor
+
+__all__ = [
+    "CHARS_PER_TOKEN_BOUND",
+    "INTERNAL",
+    "INVALID_ARG",
+    "NOT_FOUND",
+    "UNAVAILABLE",
+    "Engine",
+    "Prepared",
+    "Request",
+    "RequestError",
+    "freeze_long_lived",
+    "load_gliner2",
+]
 
 logger = logging.getLogger(__name__)
 
-# Triton error codes used by the serving layer (pb_utils.TritonError.<CODE>); Triton has no
-# RESOURCE_EXHAUSTED: running out of memory is UNAVAILABLE (retry later, or smaller)
-INVALID_ARG = "INVALID_ARG"
-NOT_FOUND = "NOT_FOUND"
-UNAVAILABLE = "UNAVAILABLE"
-INTERNAL = "INTERNAL"
 PAD_MULTIPLE = 16
-# what one more chunk costs, in padded tokens: its ~300 kernel launches and GLiNER2's per-batch
-# decoding (~20-30 ms of host time per chunk) against ~0.7 us of GPU time per token, both read
-# off the H200 profiles in perf/h200-2026-11-29/session3/profile-lora.txt; an estimate, not tuned
+# what one more chunk costs, in padded tokens: its ~300 kernel launches and its heads pass
+# (~20-30 ms of host time per chunk) against ~0.7 us of GPU time per token, both read off the
+# H200 profiles in perf/h200-2026-11-29/session3/profile-lora.txt; an estimate, not tuned
 CHUNK_COST_TOKENS = 32768
-CHARS_PER_TOKEN_BOUND = 32  # a text this many characters per allowed token is refused untokenized
-
-
-class RequestError(Exception):
-    """A per-request failure with the Triton error code it maps to."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"RequestError({self.code}, {self.message!r})"
-
-
-@dataclass
-class Prepared:
-    index: int
-    request: Request
-    record: Any  # gliner2.processor.TransformedRecord
-    metadata: dict
-    num_tokens: int
-    adapter: Optional[LoraAdapter] = None
-
-    @property
-    def options(self) -> tuple:
-        r = self.request
-        return (r.threshold, r.include_confidence, r.include_spans)
-
 
 Result = Union[dict, RequestError]
+CoreResult = Union[CompactRow, RequestError]
 
 
 def freeze_long_lived() -> None:
@@ -116,12 +100,15 @@ class Engine:
         model = load_gliner2(config.checkpoint, "cpu", torch.float32)
         self.encoder = Encoder(model.encoder).to(device=self.device, dtype=self.dtype).eval()
         self.encoder.backend = config.backend
-        # The heads and decoders stay GLiNER2's; the transformers backbone is not needed.
+        # The heads stay GLiNER2's modules (wrapped for per-row LoRA); its transformers
+        # backbone is not needed.
         model.encoder = None
         self.heads = HeadLoras(model)
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.processor = model.processor
-        self.records = RecordBuilder(self.processor)
+        self.pre = Preprocessor(model, config.max_request_tokens)
+        self.records = self.pre.records
+        self.post = PostDecoder.from_model(model)
         # (distinct adapters, waves) per dynamic batch, drained by the metrics publisher
         self.batch_stats: deque[tuple[int, int]] = deque(maxlen=4096)
         shapes = {n: (m.in_features, m.out_features) for n, m in self.encoder.linears().items()}
@@ -137,76 +124,37 @@ class Engine:
         )
         self.encoder_targets = set(self.encoder.linears())
         self.head_names = frozenset(self.heads.linears)
-        self.heads.bind(self.store)
-        self.span_finder = bind_fast_decoding(self.model)
+        self.heads.store = self.store
         if config.preload_adapters:
             names = None if config.preload_adapters == "all" else config.preload_adapters.split(",")
             started = time.perf_counter()
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
             logger.info("preloaded %d adapters in %.1f s", len(loaded), time.perf_counter() - started)
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
-        self._parse_schema = lru_cache(maxsize=4096)(self._parse_schema_uncached)
 
     # ------------------------------------------------------------------ pre
-    def _parse_schema_uncached(self, schema_json: str):
-        """(schema part of the record, GLiNER2's decoding metadata) for one SCHEMA text."""
-        from gliner2.inference.schema import Schema
-        from pydantic import ValidationError
-
-        try:
-            data = json.loads(schema_json)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise RequestError(INVALID_ARG, f"SCHEMA is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise RequestError(INVALID_ARG, f"SCHEMA must be a JSON object, got {type(data).__name__}")
-        try:
-            schema = Schema.from_dict(data)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors())
-            raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {problems}") from None
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-            raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
-        (schema_dict,), (metadata,) = self.model._build_schema_dicts_and_metadata([schema])
-        try:
-            part = self.records.schema_part(schema_dict)
-        except Exception as exc:  # gliner2 raises plain exceptions for schemas it cannot encode
-            raise RequestError(INVALID_ARG, f"SCHEMA could not be encoded: {exc}") from None
-        return part, metadata
+    def _adapter(self, adapter_id: str, found: Optional[dict]):
+        """The adapter of ``adapter_id`` (None for the base model); ``found``: this batch's
+        lookups by id (filled here), so a batch checks each folder once."""
+        if not adapter_id:
+            return None
+        adapter = None if found is None else found.get(adapter_id)
+        if adapter is None:
+            try:
+                adapter = self.store.get(adapter_id)
+            except AdapterError as exc:
+                raise RequestError(exc.code, exc.message) from None
+            if found is not None:
+                found[adapter_id] = adapter
+        return adapter
 
     def prepare(self, index: int, request: Request, found: Optional[dict] = None) -> Prepared:
-        """Validate and tokenize one request; raises RequestError. ``found``: the adapters this
-        batch has already looked up, by id (filled here), so a batch checks each folder once."""
-        if not isinstance(request.text, str) or not request.text.strip():
-            raise RequestError(INVALID_ARG, "TEXT is empty")
-        limit = self.config.max_request_tokens
-        if len(request.text) > CHARS_PER_TOKEN_BOUND * limit:  # refuse before paying for tokenization
-            raise RequestError(
-                INVALID_ARG,
-                f"TEXT has {len(request.text)} characters, far above the limit of "
-                f"{limit} tokens (max_request_tokens); split it into chunks",
-            )
-        adapter = None
-        if request.adapter:
-            adapter = None if found is None else found.get(request.adapter)
-            if adapter is None:
-                try:
-                    adapter = self.store.get(request.adapter)
-                except AdapterError as exc:
-                    raise RequestError(exc.code, exc.message) from None
-                if found is not None:
-                    found[request.adapter] = adapter
-        part, metadata = self._parse_schema(request.schema)
-        try:
-            record = self.records.record(request.text, part)
-        except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
-            raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
-        if len(record.input_ids) > limit:
-            raise RequestError(
-                INVALID_ARG,
-                f"text and schema are {len(record.input_ids)} tokens, above the limit of "
-                f"{limit} (max_request_tokens); split the text into chunks",
-            )
-        return Prepared(index, request, record, metadata, len(record.input_ids), adapter)
+        """Validate and tokenize one request, and look its adapter up; raises RequestError."""
+        self.pre.check_text(request.text)
+        adapter = self._adapter(request.adapter, found)
+        prepared = self.pre.prepare(index, request)
+        prepared.adapter = adapter
+        return prepared
 
     def _chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
         """Waves of at most ``max_gpu_adapters`` distinct adapters, each split so that
@@ -286,83 +234,121 @@ class Engine:
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row
 
-    # ------------------------------------------------------------------ post
-    def decode(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[dict]:
-        """GLiNER2's heads and decoders for the whole chunk; each row's head LoRA applies to it."""
+    # ------------------------------------------------------------------ heads -> compact
+    def compact(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[CompactRow]:
+        """GLiNER2's heads on the whole chunk, each row with its own head LoRA, reduced to what
+        decoding reads (``post.compact_batch``): one CompactRow per row of ``chunk``."""
         head_names = self.head_names
         row_slots = [
             slot if p.adapter is not None and not head_names.isdisjoint(p.adapter.modules) else -1
             for p, slot in zip(chunk, slot_per_row)
         ]
+        hidden = encode_padded(batch, states)
+        token_embs, schema_embs = self.processor.extract_embeddings_from_batch(hidden, batch.input_ids, batch)
         with self.heads.batch(batch, row_slots):
-            try:
-                return self._decode_rows(chunk, batch, states)
-            finally:
-                self.span_finder.clear()
+            raw_logits, pred_counts = self.heads.span_logits(batch, token_embs, schema_embs)
+            cls_probs = self.heads.classification_probabilities(batch, schema_embs)
+        logit_tasks = [needs_raw_logits(p.record, p.metadata or {}) for p in chunk]
+        skipped = skipped_tasks(batch.task_types, schema_embs)
+        return compact_batch(raw_logits, pred_counts, cls_probs, [p.t_min for p in chunk], logit_tasks, skipped)
 
-    def _decode_rows(self, chunk: Sequence[Prepared], batch, states) -> list[dict]:
-        threshold, include_confidence, include_spans = chunk[0].options
-        metadata = [p.metadata for p in chunk]
-        raw = self.model._extract_from_batch(
-            batch, threshold, metadata, include_confidence, include_spans, hidden_states=states
-        )
-        return [
-            self.model.format_results(
-                result, include_confidence, meta.get("relation_order", []), meta.get("classification_tasks", [])
-            )
-            for result, meta in zip(raw, metadata)
-        ]
+    # ------------------------------------------------------------------ post
+    def decode(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[dict]:
+        """Heads, compaction and our post decoder for a chunk: the GLiNER2 result of each row."""
+        rows = self.compact(chunk, batch, states, slot_per_row)
+        return [self._post(p, row) for p, row in zip(chunk, rows)]
+
+    def _post(self, p: Prepared, row: CompactRow) -> dict:
+        r = p.request
+        return self.post.decode(row, p.record, p.metadata, r.threshold, r.include_confidence, r.include_spans)
 
     # ------------------------------------------------------------------ all
     @torch.inference_mode()
     def run(self, requests: Sequence[Request]) -> list[Result]:
+        """pre -> core -> post in this process; one result or RequestError per request."""
         # disk -> host loads of this batch's new adapters start now, in parallel, on the loader threads
         self.store.prefetch(r.adapter for r in requests)
         results: list[Optional[Result]] = [None] * len(requests)
-        groups: dict[tuple, list[Prepared]] = defaultdict(list)
+        prepared: list[Prepared] = []
         found: dict = {}
         for index, request in enumerate(requests):
             try:
-                prepared = self.prepare(index, request, found)
+                prepared.append(self.prepare(index, request, found))
             except RequestError as exc:
                 results[index] = exc
-                continue
             except Exception as exc:  # a bug must not fail the other requests of the batch
                 logger.exception("request %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
+        compact = self._core(prepared)
+        for p, row in zip(prepared, compact):
+            if isinstance(row, RequestError):
+                results[p.index] = row
                 continue
-            groups[prepared.options].append(prepared)
-        for group in groups.values():
-            chunks = self._chunks(group)
-            adapters = {p.request.adapter for p in group if p.request.adapter}
-            self.batch_stats.append((len(adapters), len(plan_waves(adapters, self.config.max_gpu_adapters))))
-            for chunk in chunks:
-                self._run_chunk(chunk, results)
+            try:
+                results[p.index] = self._post(p, row)
+            except Exception as exc:
+                logger.exception("request %d could not be decoded", p.index)
+                results[p.index] = RequestError(INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}")
         assert all(r is not None for r in results), "every request is answered"
         return results  # type: ignore[return-value]
 
-    def _run_chunk(self, chunk: list[Prepared], results: list[Optional[Result]]) -> None:
+    @torch.inference_mode()
+    def run_core(self, items: Sequence[tuple]) -> list[CoreResult]:
+        """The GPU stage alone: ``items`` are (input_ids, word_positions, schema_json,
+        adapter_id, t_min) as the front sends them; one CompactRow or RequestError each."""
+        self.store.prefetch(item[3] for item in items)
+        results: list[Optional[CoreResult]] = [None] * len(items)
+        prepared: list[Prepared] = []
+        found: dict = {}
+        for index, (input_ids, word_positions, schema_json, adapter_id, t_min) in enumerate(items):
+            try:
+                adapter = self._adapter(adapter_id, found)
+                record, metadata = self.pre.core_record(input_ids, word_positions, schema_json)
+                request = Request(text="", schema=schema_json, adapter=adapter_id, threshold=t_min)
+                prepared.append(Prepared(index, request, record, metadata, len(record.input_ids), adapter, t_min))
+            except RequestError as exc:
+                results[index] = exc
+            except Exception as exc:
+                logger.exception("core item %d could not be prepared", index)
+                results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
+        for p, row in zip(prepared, self._core(prepared)):
+            results[p.index] = row
+        return results  # type: ignore[return-value]
+
+    def _core(self, prepared: list[Prepared]) -> list[CoreResult]:
+        """CompactRow (or RequestError) per prepared row, in the order given. Every row of one
+        call can share a forward, whatever its decoding options: thresholds are per row."""
+        out: dict[int, CoreResult] = {}
+        if prepared:
+            chunks = self._chunks(prepared)
+            adapters = {p.request.adapter for p in prepared if p.request.adapter}
+            self.batch_stats.append((len(adapters), len(plan_waves(adapters, self.config.max_gpu_adapters))))
+            for chunk in chunks:
+                self._run_chunk(chunk, out)
+        return [out[id(p)] for p in prepared]
+
+    def _run_chunk(self, chunk: list[Prepared], out: dict) -> None:
         try:
             batch, states, slot_per_row = self.forward(chunk)
-            for p, out in zip(chunk, self.decode(chunk, batch, states, slot_per_row)):
-                results[p.index] = out
+            for p, row in zip(chunk, self.compact(chunk, batch, states, slot_per_row)):
+                out[id(p)] = row
         except torch.cuda.OutOfMemoryError:
             if len(chunk) == 1:
-                results[chunk[0].index] = RequestError(
+                out[id(chunk[0])] = RequestError(
                     UNAVAILABLE, "out of GPU memory for this single request; retry later or send a shorter text"
                 )
                 return
             torch.cuda.empty_cache()
             half = len(chunk) // 2
             logger.warning("out of GPU memory on a batch of %d; splitting it", len(chunk))
-            self._run_chunk(chunk[:half], results)
-            self._run_chunk(chunk[half:], results)
+            self._run_chunk(chunk[:half], out)
+            self._run_chunk(chunk[half:], out)
         except Exception as exc:
             if len(chunk) > 1:
                 # isolate the failing request: the others are still answered
                 logger.warning("batch of %d failed (%s); retrying one by one", len(chunk), exc)
                 for p in chunk:
-                    self._run_chunk([p], results)
+                    self._run_chunk([p], out)
                 return
             logger.exception("request %d failed", chunk[0].index)
-            results[chunk[0].index] = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
+            out[id(chunk[0])] = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")

@@ -1,6 +1,8 @@
-"""pb_utils <-> Engine: decode Triton requests, run the engine, answer each request alone.
+"""pb_utils <-> the stages: decode Triton requests, run them, answer each request alone.
 
-``model_repository/gliner2/1/model.py`` is a thin shell around ``TritonModelHandler``.
+``model_repository/gliner2/1/model.py`` (the public model: the CPU front) is a thin shell
+around ``TritonModelHandler``, ``model_repository/gliner2_core/1/model.py`` (the GPU stage)
+around ``CoreModelHandler``.
 Everything here takes ``pb_utils`` as an argument, so the decoding and error mapping are
 unit-testable without a server (the end-to-end tests then run the real one).
 """
@@ -15,9 +17,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from manylora import wire
 from manylora.client import protocol
 from manylora.client.protocol import Request
-from manylora.engine import INTERNAL, INVALID_ARG, Engine, RequestError, freeze_long_lived
+from manylora.engine import Engine, freeze_long_lived
+from manylora.errors import CODES, INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +120,11 @@ def instance_device(args: dict) -> str:
 
 
 class TritonModelHandler:
-    """What model.py's TritonPythonModel delegates to."""
+    """What model.py's TritonPythonModel of the public ``gliner2`` model delegates to.
+
+    With the ``core_model`` parameter set (the committed repository: ``gliner2_core``), this
+    instance is a CPU front: pre and post here, the GPU stage through one BLS call per request
+    (``execute_async``). Without it, this instance runs every stage itself (``execute``)."""
 
     def __init__(self, args: dict, pb_utils):
         from manylora.config import EngineConfig
@@ -127,9 +135,33 @@ class TritonModelHandler:
         device = instance_device(args)
         import torch
 
+        config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
+        self.core_model = config.core_model
+        self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
+        self.engine = self.control = self.metrics = None
+        if self.core_model:
+            from manylora.engine import load_gliner2
+            from manylora.post import PostDecoder
+            from manylora.pre import Preprocessor
+
+            # pre and post need the processor (tokenizer) and the model's decoding settings,
+            # not its weights: drop them (a front instance holds no tensors of the model)
+            torch.set_num_threads(1)
+            model = load_gliner2(config.checkpoint, "cpu", torch.float32)
+            self.post = PostDecoder.from_model(model)
+            self.pre = Preprocessor(model, config.max_request_tokens)
+            for name, _ in list(model.named_children()):
+                setattr(model, name, None)
+            logger.info("front of %s: pre and post here, the GPU stage in model %s", config.checkpoint, self.core_model)
+        else:
+            self._load_engine(config, args, model_config, device)
+        freeze_long_lived()  # this process keeps its engine for life: no full-collection pauses mid-batch
+
+    def _load_engine(self, config, args: dict, model_config: dict, device: str) -> None:
+        import torch
+
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
         torch.set_num_threads(instance_threads(config.cpu_threads, model_config, os.cpu_count() or 1))
         logger.info("loading %s on %s (%s)", config.checkpoint, device, config.torch_dtype)
         self.engine = Engine(config)
@@ -140,23 +172,15 @@ class TritonModelHandler:
         from manylora.metrics import AdapterMetrics
 
         self.metrics = AdapterMetrics(
-            pb_utils, {"model": args.get("model_name", "gliner2"), "instance": args.get("model_instance_name", "")}
+            self.pb_utils, {"model": args.get("model_name", "gliner2"), "instance": args.get("model_instance_name", "")}
         )
-        self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
-        freeze_long_lived()  # this process keeps its engine for life: no full-collection pauses mid-batch
 
     def _error(self, exc: RequestError):
         pb = self.pb_utils
         code = getattr(pb.TritonError, exc.code, pb.TritonError.INTERNAL)
         return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(exc.message, code))
 
-    def execute(self, requests: list) -> list:
-        """One response per request, in order; never raises (an exception here would fail
-        every request of the dynamic batch with Triton's generic INTERNAL error)."""
-        with self.profiler:
-            return self._execute(requests)
-
-    def _execute(self, requests: list) -> list:
+    def _decode_all(self, requests: list) -> list:
         pb = self.pb_utils
         decoded: list = []
         for request in requests:
@@ -167,22 +191,33 @@ class TritonModelHandler:
             except Exception as exc:
                 logger.exception("decoding a request failed")
                 decoded.append(RequestError(INTERNAL, f"request could not be decoded: {type(exc).__name__}: {exc}"))
+        return decoded
+
+    def _respond(self, results: list) -> list:
+        pb = self.pb_utils
+        return [
+            self._error(result)
+            if isinstance(result, RequestError)
+            else pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))])
+            for result in results
+        ]
+
+    def execute(self, requests: list) -> list:
+        """One response per request, in order; never raises (an exception here would fail
+        every request of the dynamic batch with Triton's generic INTERNAL error)."""
+        with self.profiler:
+            return self._execute(requests)
+
+    def _execute(self, requests: list) -> list:
+        decoded = self._decode_all(requests)
         valid = [d for d in decoded if isinstance(d, Request)]
         answers = iter(self._run(valid))
-        responses = []
-        for item in decoded:
-            result = item if isinstance(item, RequestError) else next(answers)
-            if isinstance(result, RequestError):
-                responses.append(self._error(result))
-            else:
-                responses.append(
-                    pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))])
-                )
+        results = [item if isinstance(item, RequestError) else next(answers) for item in decoded]
         try:
             self.metrics.publish(self.engine)
         except Exception:
             logger.exception("publishing the adapter metrics failed")
-        return responses
+        return self._respond(results)
 
     def _run(self, requests: list[Request]) -> list:
         """The engine's results. The engine answers bad requests with RequestErrors; should it
@@ -199,12 +234,224 @@ class TritonModelHandler:
             half = len(requests) // 2
             return self._run(requests[:half]) + self._run(requests[half:])
 
+    # ------------------------------------------------------------------ the CPU front
+    async def execute_async(self, requests: list) -> list:
+        """Front: pre here, every row of the batch to the GPU stage in one BLS request (the
+        core's batcher packs it with other fronts' requests), post here."""
+        if not self.core_model:
+            return self.execute(requests)
+        with self.profiler:
+            decoded = self._decode_all(requests)
+            results: list = list(decoded)
+            prepared = []
+            for index, item in enumerate(decoded):
+                if isinstance(item, RequestError):
+                    continue
+                try:
+                    prepared.append(self.pre.prepare(index, item))
+                except RequestError as exc:
+                    results[index] = exc
+                except Exception as exc:  # a bug must not fail the other requests of the batch
+                    logger.exception("request %d could not be prepared", index)
+                    results[index] = RequestError(
+                        INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}"
+                    )
+            call = self._core_request(prepared).async_exec() if prepared else None
+        answer = await call if call is not None else None
+        with self.profiler:
+            for p, row in zip(prepared, self._core_rows(answer, len(prepared)) if prepared else []):
+                results[p.index] = row if isinstance(row, RequestError) else self._post(p, row)
+            return self._respond(results)
+
+    def _core_request(self, prepared: list):
+        pb = self.pb_utils
+        records = [p.record for p in prepared]
+
+        def ints(values) -> np.ndarray:
+            return np.asarray(values, dtype=np.int32).reshape(1, -1)
+
+        def texts(values) -> np.ndarray:
+            return np.array([[v.encode("utf-8") for v in values]], dtype=np.object_)
+
+        inputs = [
+            pb.Tensor("INPUT_IDS", ints([t for r in records for t in r.input_ids])),
+            pb.Tensor("ROW_TOKENS", ints([len(r.input_ids) for r in records])),
+            pb.Tensor("WORD_POS", ints([w for r in records for w in r.text_word_first_positions])),
+            pb.Tensor("ROW_WORDS", ints([len(r.text_word_first_positions) for r in records])),
+            pb.Tensor("SCHEMA", texts([p.request.schema for p in prepared])),
+            pb.Tensor("ADAPTER_ID", texts([p.request.adapter for p in prepared])),
+            pb.Tensor("T_MIN", np.asarray([p.t_min for p in prepared], dtype=np.float32).reshape(1, -1)),
+        ]
+        return pb.InferenceRequest(
+            model_name=self.core_model, inputs=inputs, requested_output_names=list(wire.CORE_OUTPUTS)
+        )
+
+    def _core_rows(self, answer, rows: int) -> list:
+        """Each row's CompactRow, or the RequestError the GPU stage answered it with."""
+        from manylora.post import CompactRow
+
+        pb = self.pb_utils
+        try:
+            if isinstance(answer, BaseException):
+                raise RequestError(UNAVAILABLE, f"the GPU stage could not be reached: {answer}")
+            if answer.has_error():
+                raise RequestError(UNAVAILABLE, f"the GPU stage failed: {answer.error().message()}")
+            statuses = pb.get_output_tensor_by_name(answer, "STATUS").as_numpy().reshape(-1)
+            packed = pb.get_output_tensor_by_name(answer, "COMPACT").as_numpy().reshape(-1)
+            if len(statuses) != rows or len(packed) != rows:
+                raise RequestError(INTERNAL, f"the GPU stage answered {len(statuses)} rows for {rows}")
+        except RequestError as exc:
+            return [exc] * rows
+        out: list = []
+        for status, blob in zip(statuses, packed):
+            status = status.decode("utf-8", "replace") if isinstance(status, bytes) else str(status)
+            if status:
+                code, _, message = status.partition("\t")
+                out.append(RequestError(code if code in CODES else INTERNAL, message))
+                continue
+            try:
+                out.append(CompactRow.from_arrays(wire.unpack_arrays(blob)))
+            except Exception as exc:
+                out.append(RequestError(INTERNAL, f"the GPU stage's answer is malformed: {exc}"))
+        return out
+
+    def _post(self, p, row):
+        """The GLiNER2 result of one row from its CompactRow (or an INTERNAL RequestError)."""
+        try:
+            r = p.request
+            return self.post.decode(row, p.record, p.metadata, r.threshold, r.include_confidence, r.include_spans)
+        except Exception as exc:
+            logger.exception("request %d could not be decoded", p.index)
+            return RequestError(INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}")
+
     def finalize(self) -> None:
         self.profiler.dump()  # never raises
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.control is not None:
             self.control.close()
         self.engine = None
+
+
+class CoreModelHandler(TritonModelHandler):
+    """``gliner2_core``: the GPU stage. Its rows come from the fronts' BLS calls (any client
+    can call it too: every input is checked); it holds the only adapter cache of its GPU."""
+
+    def __init__(self, args: dict, pb_utils):
+        from manylora.config import EngineConfig
+
+        self.pb_utils = pb_utils
+        model_config = json.loads(args["model_config"])
+        device = instance_device(args)
+        config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
+        self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
+        self.core_model = ""
+        self._load_engine(config, args, model_config, device)
+        self.vocab = len(self.engine.processor.tokenizer)
+        freeze_long_lived()
+
+    def execute(self, requests: list) -> list:
+        with self.profiler:
+            items, groups = [], []  # groups[i]: (first item, rows) of request i, or its RequestError
+            for request in requests:
+                try:
+                    group = self._items(request)
+                    groups.append((len(items), len(group)))
+                    items.extend(group)
+                except RequestError as exc:
+                    groups.append(exc)
+                except Exception as exc:
+                    groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
+            answers = self._run_core(items)
+            try:
+                self.metrics.publish(self.engine)
+            except Exception:
+                logger.exception("publishing the adapter metrics failed")
+            responses = []
+            for group in groups:
+                if isinstance(group, RequestError):
+                    responses.append(self._error(group))
+                else:
+                    first, rows = group
+                    responses.append(self._core_response(answers[first : first + rows]))
+            return responses
+
+    def _items(self, request) -> list[tuple]:
+        """The rows of one front request, each (ids, word positions, schema, adapter, t_min)."""
+        pb = self.pb_utils
+        arrays = {name: _as_numpy(pb, request, name) for name in wire.CORE_INPUTS}
+        missing = [name for name, a in arrays.items() if a is None]
+        if missing:
+            raise RequestError(INVALID_ARG, f"input {missing[0]} is required")
+        flat = {name: a.reshape(-1) for name, a in arrays.items()}
+        rows = flat["ROW_TOKENS"].size
+        if not all(flat[n].size == rows for n in ("ROW_WORDS", "SCHEMA", "ADAPTER_ID", "T_MIN")):
+            raise RequestError(
+                INVALID_ARG, "ROW_TOKENS, ROW_WORDS, SCHEMA, ADAPTER_ID and T_MIN need one value per row"
+            )
+        tokens, words = flat["ROW_TOKENS"].astype(np.int64), flat["ROW_WORDS"].astype(np.int64)
+        limit = self.engine.config.max_request_tokens
+        if rows == 0 or tokens.min() < 1 or tokens.max() > limit or words.min() < 0:
+            raise RequestError(INVALID_ARG, f"every row needs 1-{limit} tokens")
+        ids, positions = flat["INPUT_IDS"].astype(np.int64), flat["WORD_POS"].astype(np.int64)
+        if ids.size != tokens.sum() or positions.size != words.sum():
+            raise RequestError(INVALID_ARG, "INPUT_IDS and WORD_POS must hold the rows' counts")
+        if ids.min() < 0 or ids.max() >= self.vocab:
+            raise RequestError(INVALID_ARG, f"token ids must be below {self.vocab}")
+        t_min = flat["T_MIN"].astype(np.float64)
+        if not np.all((t_min >= 0.0) & (t_min <= 1.0)):
+            raise RequestError(INVALID_ARG, "T_MIN must be within [0, 1]")
+        token_ends, word_ends = np.cumsum(tokens), np.cumsum(words)
+        items = []
+        for row in range(rows):
+            row_ids = ids[token_ends[row] - tokens[row] : token_ends[row]]
+            row_words = positions[word_ends[row] - words[row] : word_ends[row]]
+            if row_words.size and (
+                row_words[0] < 0 or row_words[-1] >= row_ids.size or np.any(np.diff(row_words) <= 0)
+            ):
+                raise RequestError(INVALID_ARG, "WORD_POS must be increasing positions within each row")
+            schema = _text(flat["SCHEMA"][row], "SCHEMA")
+            adapter = _text(flat["ADAPTER_ID"][row], "ADAPTER_ID")
+            items.append((row_ids.tolist(), row_words.tolist(), schema, adapter, float(t_min[row])))
+        return items
+
+    def _run_core(self, items: list) -> list:
+        if not items:
+            return []
+        try:
+            return self.engine.run_core(items)
+        except Exception as exc:
+            if len(items) == 1:
+                logger.exception("the GPU stage raised on a request")
+                return [RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")]
+            half = len(items) // 2
+            return self._run_core(items[:half]) + self._run_core(items[half:])
+
+    def _core_response(self, rows: list):
+        pb = self.pb_utils
+        statuses, packed = [], []
+        for row in rows:
+            if isinstance(row, RequestError):
+                statuses.append(f"{row.code}\t{row.message}".encode("utf-8"))
+                packed.append(b"")
+            else:
+                statuses.append(b"")
+                packed.append(wire.pack_arrays(row.to_arrays()))
+        return pb.InferenceResponse(
+            output_tensors=[
+                pb.Tensor("STATUS", np.array([statuses], dtype=np.object_)),
+                pb.Tensor("COMPACT", np.array([packed], dtype=np.object_)),
+            ]
+        )
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, bytes):
+        raise RequestError(INVALID_ARG, f"input {name} must hold one BYTES element")
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError(INVALID_ARG, f"{name} is not valid UTF-8") from None
 
 
 def _as_numpy(pb_utils, request, name: str) -> Optional[np.ndarray]:

@@ -1,7 +1,7 @@
 """Adapter-aware GLiNER2 heads: every row of a mixed batch gets its own adapter's head LoRA.
 
-GLiNER2's span/count/classifier heads run inside GLiNER2's own decoding code, which calls
-them on tensors whose rows belong to different requests:
+The GPU stage calls GLiNER2's span/count/classifier heads on tensors whose rows belong to
+different requests:
 
 * ``count_pred`` on one stacked row per (request, span task),
 * ``span_rep``'s token projections on ``[requests, tokens, hidden]``,
@@ -9,11 +9,11 @@ them on tensors whose rows belong to different requests:
 
 Each head ``nn.Linear`` is wrapped by ``HeadLoraLinear``, which adds
 ``scale[slot] * (x A[slot]^T) B[slot]^T`` with the slot either per leading row of its
-input (``rows``) or one for the whole call (``single``). ``HeadLoras.bind`` replaces two
-methods on the GLiNER2 instance so that the slots are set around each of those calls:
-our own span-logit batching (the same computation as GLiNER2's
-``_compute_direct_span_logits_batched``, with the row slots known) and a thin wrapper of
-``_compute_classification_probabilities``. The decoding itself stays GLiNER2's.
+input (``rows``) or one for the whole call (``single``). The GPU stage calls our own
+batch-wide versions of GLiNER2's head passes (``span_logits``: the same computation as
+GLiNER2's ``_compute_direct_span_logits_batched``; ``classification_probabilities``: as its
+``_compute_classification_probabilities``), with the row slots known; no GLiNER2 method is
+replaced. Decoding is ``manylora.post``'s.
 
 Where GLiNER2 reads a head weight directly instead of calling the module (the two
 ``out_project`` layers in ``score_queries``), PEFT's LoRA is not applied by GLiNER2
@@ -80,7 +80,6 @@ class HeadLoras:
         self.store: Optional[AdapterStore] = None
         self.linears: dict[str, HeadLoraLinear] = {}
         self.row_slots: Optional[Sequence[int]] = None  # slot per row of the batch being decoded
-        self._schema_slot: dict[int, int] = {}
         for prefix in HEAD_MODULES:
             root = getattr(model, prefix, None)
             if root is None:
@@ -97,28 +96,14 @@ class HeadLoras:
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {n: (m.base.in_features, m.base.out_features) for n, m in self.linears.items()}
 
-    def bind(self, store: AdapterStore) -> None:
-        """Route GLiNER2's head calls through the per-row slots (see the module docstring)."""
-        self.store = store
-        model = self.model
-        classification = model._compute_classification_probabilities
-        model._compute_direct_span_logits_batched = self._span_logits
-
-        def classification_probabilities(schema, embs, schema_tokens, *args, **kwargs):
-            with self._set(("classifier",), single=self._schema_slot.get(id(schema), -1)):
-                return classification(schema, embs, schema_tokens, *args, **kwargs)
-
-        model._compute_classification_probabilities = classification_probabilities
-
     @contextmanager
     def batch(self, batch, row_slots: Sequence[int]):
         """Decode ``batch`` with ``row_slots[i]`` as row i's adapter slot (-1 = base)."""
         self.row_slots = list(row_slots)
-        self._schema_slot = {id(schema): slot for schema, slot in zip(batch.original_schemas, row_slots)}
         try:
             yield
         finally:
-            self.row_slots, self._schema_slot = None, {}
+            self.row_slots = None
 
     @contextmanager
     def _set(self, prefixes: tuple[str, ...], rows: Optional[Sequence[int]] = None, single: Optional[int] = None):
@@ -139,7 +124,7 @@ class HeadLoras:
             for module in chosen:
                 module.rows, module.single = None, None
 
-    def _span_logits(self, batch, all_token_embs, all_schema_embs):
+    def span_logits(self, batch, all_token_embs, all_schema_embs):
         """GLiNER2's direct span logits for a whole batch, with each row's head LoRA.
 
         Same computation and return layout as GLiNER2's ``_compute_direct_span_logits_batched``
@@ -202,6 +187,31 @@ class HeadLoras:
             raw_logits[row][task] = task_logits.reshape(count_dim, field_dim, *task_logits.shape[-2:])
         return raw_logits, pred_counts
 
+    def classification_probabilities(self, batch, all_schema_embs) -> list[list[Optional[torch.Tensor]]]:
+        """Each (row, classification task)'s class probabilities, each row with its own head LoRA
+        (None where GLiNER2 computes none). Same computation as GLiNER2's
+        ``_compute_classification_probabilities`` at temperature 1: the classifier on the label
+        markers' embeddings, then softmax or sigmoid as the task's config resolves."""
+        slots = self.row_slots if self.row_slots is not None else [-1] * len(batch)
+        out: list[list[Optional[torch.Tensor]]] = []
+        for row, tasks in enumerate(batch.task_types):
+            probs: list[Optional[torch.Tensor]] = [None] * len(tasks)
+            for task, task_type in enumerate(tasks):
+                tokens = batch.schema_tokens_list[row][task]
+                embeddings = all_schema_embs[row][task] if task < len(all_schema_embs[row]) else []
+                if task_type != "classifications" or len(tokens) < 4 or not embeddings:
+                    continue
+                config = classification_config(tokens[2], batch.original_schemas[row].get("classifications", []))
+                if config is None:
+                    continue
+                with self._set(("classifier",), single=slots[row]):
+                    logits = self.model.classifier(torch.stack(embeddings)[1:]).squeeze(-1) / 1.0
+                activation = config.get("class_act", "auto")
+                sigmoid = activation == "sigmoid" or (activation == "auto" and config.get("multi_label", False))
+                probs[task] = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+            out.append(probs)
+        return out
+
     def _count_embed(self, counted, slots) -> list[torch.Tensor]:
         """``count_embed(fields, count)`` for every (row, task) of ``counted``, one [count, M, H] each.
 
@@ -237,3 +247,19 @@ class HeadLoras:
             out.append(projected[:count, start : start + f.shape[0]])
             start += f.shape[0]
         return out
+
+
+def classification_config(prompt: str, classifications: Sequence[dict]) -> Optional[dict]:
+    """The classification task config a schema prompt belongs to, as GLiNER2 resolves it: the
+    longest task name the prompt starts with and that is followed by nothing, ':' or ' ';
+    failing that, the first task name the prompt starts with."""
+    best = None
+    for config in classifications:
+        task = config.get("task", "")
+        if task and prompt.startswith(task):
+            rest = prompt[len(task) :]
+            if (rest == "" or rest[0] in (":", " ")) and (best is None or len(task) > len(best.get("task", ""))):
+                best = config
+    if best is None:
+        best = next((c for c in classifications if prompt.startswith(c.get("task", ""))), None)
+    return best

@@ -268,9 +268,14 @@ def test_bad_arguments_raise_before_sending():
         client.batch_extract(["a"], ENTITIES, threshold=2.0)
     with pytest.raises(schemas.SchemaError):
         client.extract("a", schemas.create_schema())
-    with pytest.raises(TypeError):
-        client.extract("a", ENTITIES, 0.5, True)  # GLiNER2's positional format_results is not taken
+    with pytest.raises(ValueError, match="format_results=False"):
+        client.extract("a", ENTITIES, 0.5, False)  # GLiNER2's positional format_results: only True is served
+    with pytest.raises(ValueError, match="max_len"):
+        client.batch_extract(["a"], ENTITIES, 8, 0.5, 0, True, False, False, 100)
+    with pytest.raises(ValueError, match="batch_size"):
+        client.batch_extract(["a"], ENTITIES, 0)
     assert transport.sent == []
+    assert client.extract("a", ENTITIES, 0.5, True, True)["include_confidence"] is True, "positional, as GLiNER2"
 
 
 def test_context_manager_closes_the_transport():

@@ -126,73 +126,18 @@ def test_install_script_refuses_bad_arguments(fake_python):
     assert run_install(python, "--frobnicate").returncode == 2
 
 
-# --- entrypoint and config rendering ---
+# --- entrypoint (docker/render_config.py itself: test_render_config.py) ---
 
 
-def render(env: dict, text: str | None = None) -> object:
+def parse_config_text(text: str):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    render_config = load_script("docker/render_config.py")
-    source = REPO / "model_repository" / "gliner2"
-    rendered = render_config.render_config(text or (source / "config.pbtxt").read_text(), env, model_dir=source)
-    return text_format.Parse(rendered, model_config_pb2.ModelConfig())
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
 
 
-def parameters(config) -> dict:
-    return {k: v.string_value for k, v in config.parameters.items()}
-
-
-def test_render_keeps_the_committed_config_and_absolutises_paths():
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    config = render({})
-    committed_text = (REPO / "model_repository" / "gliner2" / "config.pbtxt").read_text()
-    committed = text_format.Parse(committed_text, model_config_pb2.ModelConfig())
-    for key in ("checkpoint", "adapter_dir"):
-        relative = committed.parameters[key].string_value
-        assert Path(config.parameters[key].string_value) == (REPO / "model_repository" / "gliner2" / relative).resolve()
-        config.parameters[key].string_value = committed.parameters[key].string_value = ""
-    assert config == committed
-    assert [i.name for i in config.input] == [
-        "TEXT",
-        "SCHEMA",
-        "ADAPTER_ID",
-        "THRESHOLD",
-        "INCLUDE_CONFIDENCE",
-        "INCLUDE_SPANS",
-    ]
-    assert len(config.instance_group) == 1 and config.instance_group[0].count == 1
-
-
-def test_render_sets_parameters_and_gpu_instances():
-    config = render(
-        {
-            "MANYLORA_CHECKPOINT": "/models/checkpoint",
-            "MANYLORA_ADAPTER_DIR": "",
-            "MANYLORA_PARAM_MAX_GPU_ADAPTERS": "256",
-            "MANYLORA_GPUS": "0,2",
-            "MANYLORA_INSTANCES_PER_GPU": "3",
-        }
-    )
-    values = parameters(config)
-    assert values["checkpoint"] == "/models/checkpoint" and values["max_gpu_adapters"] == "256"
-    assert "adapter_dir" not in values  # empty: base model only
-    (group,) = config.instance_group
-    assert (group.count, list(group.gpus), group.kind) == (3, [0, 2], group.KIND_GPU)
-    (every,) = render({"MANYLORA_GPUS": "all"}).instance_group
-    assert (every.count, list(every.gpus), every.kind) == (1, [], every.KIND_GPU)
-
-
-@pytest.mark.parametrize(
-    "env",
-    [{"MANYLORA_GPUS": "0,x"}, {"MANYLORA_GPUS": "1,1"}, {"MANYLORA_INSTANCES_PER_GPU": "0"}],
-)
-def test_render_refuses_bad_settings(env):
-    render_config = load_script("docker/render_config.py")
-    with pytest.raises(render_config.RenderError):
-        render(env)
+def parse_config(path: Path):
+    return parse_config_text(path.read_text())
 
 
 def run_entrypoint(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
@@ -221,13 +166,31 @@ def test_entrypoint_renders_then_execs_tritonserver(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     repository = tmp_path / "run" / "model_repository"
+    # --strict-readiness: /v2/health/ready (the image's health check, the pods' probes) waits
+    # for every model, the gliner2 front and its GPU stage gliner2_core
     assert done.stdout.strip().splitlines()[-1] == (
         f"tritonserver --model-repository={repository} --disable-auto-complete-config "
-        "--exit-timeout-secs=30 --log-verbose=1"
+        "--strict-readiness=true --exit-timeout-secs=30 --log-verbose=1"
     )
-    rendered = (repository / "gliner2" / "config.pbtxt").read_text()
-    assert f'string_value: "{checkpoint}"' in rendered and "adapter_dir" not in rendered
-    assert (repository / "gliner2" / "1" / "model.py").is_file()
+    front, core = (parse_config(repository / name / "config.pbtxt") for name in ("gliner2", "gliner2_core"))
+    assert front.parameters["checkpoint"].string_value == core.parameters["checkpoint"].string_value == str(checkpoint)
+    assert front.parameters["core_model"].string_value == "gliner2_core"
+    assert "adapter_dir" not in core.parameters and "adapter_dir" not in front.parameters
+    for name in ("gliner2", "gliner2_core", "manylora_control"):
+        assert (repository / name / "1" / "model.py").is_file()
+    # the log shows both rendered configs
+    assert "# gliner2/config.pbtxt" in done.stdout and "# gliner2_core/config.pbtxt" in done.stdout
+
+
+def test_entrypoint_stops_on_a_setting_the_renderer_refuses(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    done = run_entrypoint(
+        tmp_path, {"MANYLORA_CHECKPOINT": str(checkpoint), "MANYLORA_DEMO": "never", "MANYLORA_FRONT_INSTANCES": "0"}
+    )
+    assert done.returncode == 2
+    assert "MANYLORA_FRONT_INSTANCES" in done.stderr and "tritonserver" not in done.stdout
 
 
 def test_entrypoint_without_checkpoint_in_production_stops(tmp_path):
@@ -263,6 +226,32 @@ def test_compose_services_ports_and_paths():
     assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
     (device,) = triton["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def compose_defaults(environment: dict) -> dict[str, str]:
+    """The service's environment with every ${VAR:-default} at its default."""
+    return {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in environment.items()}
+
+
+def test_compose_server_settings_render_the_pipeline():
+    from manylora.config import EngineConfig
+
+    render_config = load_script("docker/render_config.py")
+    env = compose_defaults(yaml.safe_load(COMPOSE.read_text())["services"]["triton"]["environment"])
+    keys = {k[len("MANYLORA_PARAM_") :].lower() for k in env if k.startswith("MANYLORA_PARAM_")}
+    assert keys and keys <= set(EngineConfig.PARAMETERS)
+    rendered = {
+        name: parse_config_text(text)
+        for name, text in render_config.render_models(REPO / "model_repository", env).items()
+    }
+    front, core = rendered["gliner2"], rendered["gliner2_core"]
+    (core_group,) = core.instance_group
+    assert (core_group.kind, core_group.count, list(core_group.gpus)) == (core_group.KIND_GPU, 1, [])
+    (front_group,) = front.instance_group
+    assert front_group.kind == front_group.KIND_CPU and front_group.count == int(env["MANYLORA_FRONT_INSTANCES"])
+    for key in keys:  # the cache sizes reach the GPU stage, not the front
+        assert core.parameters[key].string_value == env["MANYLORA_PARAM_" + key.upper()]
+        assert key not in front.parameters
 
 
 def test_compose_locust_uses_the_locustfile_settings():

@@ -4,10 +4,14 @@ agree with each other (selectors, ports, metric names, the router's upstreams)."
 
 from __future__ import annotations
 
+import re
+
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_files import K8S, REPO, find, yaml_documents
+from deploy_files import K8S, REPO, find, load_script, yaml_documents
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
 
 # the oldest Kubernetes release these manifests claim, and a current one
 K8S_VERSIONS = ("1.28", "1.33")
@@ -85,6 +89,39 @@ def test_server_parameters_are_known_to_the_engine(k8s_objects):
     assert env["MANYLORA_DEMO"] == "never"
 
 
+def test_server_environment_renders_the_pipeline(k8s_objects):
+    """The pod's MANYLORA_* through docker/render_config.py: one GPU-stage instance on the
+    pod's one GPU with the cache settings, CPU fronts that fit the pod's cores with it."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    render_config = load_script("docker/render_config.py")
+    pod = find(k8s_objects, "Deployment", "manylora")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    rendered = {
+        name: text_format.Parse(text, model_config_pb2.ModelConfig())
+        for name, text in render_config.render_models(REPO / "model_repository", env).items()
+    }
+    front, core = rendered["gliner2"], rendered["gliner2_core"]
+    (group,) = core.instance_group
+    # one instance per GPU: one copy of the weights and one adapter cache on the pod's GPU
+    assert (group.kind, group.count, list(group.gpus)) == (group.KIND_GPU, 1, [])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for key, value in env.items():
+        if key.startswith("MANYLORA_PARAM_"):
+            assert core.parameters[key[len("MANYLORA_PARAM_") :].lower()].string_value == value
+    assert core.parameters["checkpoint"].string_value == env["MANYLORA_CHECKPOINT"]
+    assert core.parameters["adapter_dir"].string_value == env["MANYLORA_ADAPTER_DIR"]
+    assert front.parameters["checkpoint"].string_value == env["MANYLORA_CHECKPOINT"]
+    assert set(front.parameters) <= {"checkpoint", "max_request_tokens", "core_model"}
+    (fronts,) = front.instance_group
+    assert fronts.kind == fronts.KIND_CPU and fronts.count == int(env["MANYLORA_FRONT_INSTANCES"])
+    # a core each for the fronts (one thread each) plus the GPU stage's threads fit the request
+    cores = int(container["resources"]["requests"]["cpu"])
+    assert fronts.count + int(core.parameters["cpu_threads"].string_value) <= cores
+
+
 @pytest.mark.parametrize("service", ["manylora", "manylora-headless"])
 def test_services_select_the_server_pods(k8s_objects, service):
     spec = find(k8s_objects, "Service", service)["spec"]
@@ -112,6 +149,15 @@ def test_autoscaler_metrics_come_from_the_adapter_rules(k8s_objects):
     assert wanted and wanted <= served
     queries = " ".join(r["metricsQuery"] for r in rules)
     assert "nv_inference_queue_duration_us" in queries and "nv_inference_pending_request_count" in queries
+    # every series is the public model's, the CPU fronts that clients call (the GPU stage's
+    # requests are the fronts' BLS calls, one per front batch: not client requests)
+    public = text_format.Parse(
+        (REPO / "model_repository" / "gliner2" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+    ).name
+    for rule in rules:
+        for query in (rule["seriesQuery"], rule["metricsQuery"]):
+            models = re.findall(r'model="([^"]*)"', query)
+            assert models and set(models) == {public}, query
 
 
 def test_router_hashes_the_adapter_header_onto_the_server_pods(k8s_objects):

@@ -23,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import np_to_triton_dtype
 
 REPO_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "gliner2"
+REPO_CORE_MODEL = REPO_MODEL.parent / "gliner2_core"
 
 # What tritonclient's InferenceServerException.status() reports for each pb_utils.TritonError
 # code a model answers with (measured on Triton 2.51; test_bad_input_catalogue checks all of it).
@@ -55,16 +56,32 @@ def write_gliner2_model(
     checkpoint: Path,
     parameters: Mapping[str, str] | None = None,
     edit: Callable[[model_config_pb2.ModelConfig], None] | None = None,
+    core_edit: Callable[[model_config_pb2.ModelConfig], None] | None = None,
 ) -> Path:
-    """``repo/name``: the committed gliner2 model, its config parsed as a ModelConfig message,
-    renamed, its parameters replaced by ``checkpoint`` + ``parameters``, then ``edit``-ed."""
-    folder = repo / name
+    """The committed pipeline under ``repo``: the gliner2 front as ``name`` (``edit``-ed) and
+    its GPU stage as ``<name>_core``, whose parameters are ``checkpoint`` + ``parameters``
+    (``core_edit``-ed). Both configs are parsed as ModelConfig messages. Returns the front."""
+    core = f"{name}_core"
+    front_parameters = {"checkpoint": str(checkpoint), "core_model": core}
+    if parameters and "max_request_tokens" in parameters:
+        front_parameters["max_request_tokens"] = parameters["max_request_tokens"]
+    folder = _write_model(repo / name, REPO_MODEL, name, front_parameters, edit)
+    _write_model(repo / core, REPO_CORE_MODEL, core, {"checkpoint": str(checkpoint), **(parameters or {})}, core_edit)
+    return folder
+
+
+def pipeline_loads(name: str = protocol.MODEL_NAME) -> list[str]:
+    """tritonserver arguments loading the front ``name`` and its GPU stage (explicit mode)."""
+    return [f"--load-model={name}", f"--load-model={name}_core"]
+
+
+def _write_model(folder: Path, source: Path, name: str, parameters: Mapping[str, str], edit) -> Path:
     (folder / "1").mkdir(parents=True)
-    shutil.copy2(REPO_MODEL / "1" / "model.py", folder / "1" / "model.py")
-    config = text_format.Parse((REPO_MODEL / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    shutil.copy2(source / "1" / "model.py", folder / "1" / "model.py")
+    config = text_format.Parse((source / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     config.name = name
     config.parameters.clear()
-    for key, value in {"checkpoint": str(checkpoint), **(parameters or {})}.items():
+    for key, value in parameters.items():
         config.parameters[key].string_value = value
     if edit is not None:
         edit(config)

@@ -34,6 +34,7 @@ from fault_tools import (
     bytes_item,
     execution_counts,
     infer_inputs,
+    pipeline_loads,
     send_together,
     stub_pids,
     stub_shm_region,
@@ -185,7 +186,7 @@ def catalogue(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_ada
     (repo / "error_codes" / "config.pbtxt").write_text(ERROR_CODES_CONFIG)
     (repo / "error_codes" / "1" / "model.py").write_text(ERROR_CODES_MODEL)
     folders = {name: demo_adapters[name] for name in GOOD_ADAPTERS} | {"flip": demo_adapters["enc-r8"]}
-    loads = [f"--load-model={name}" for name in ("gliner2", "error_codes")]
+    loads = [*pipeline_loads("gliner2"), "--load-model=error_codes"]
     server = triton_server_factory(repo, extra_args=["--model-control-mode=explicit", *loads])
     return Catalogue(server, root, References(reference_model, peft_reference, folders), markers, outside)
 

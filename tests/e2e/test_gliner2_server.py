@@ -1,4 +1,5 @@
-"""End-to-end: the real tritonserver serving model_repository/gliner2 on the tiny checkpoint.
+"""End-to-end: the real tritonserver serving the committed pipeline (the gliner2 CPU front and
+its GPU stage gliner2_core) on the tiny checkpoint.
 
 Answers are compared with GLiNER2 itself, over gRPC and HTTP; a dynamic batch with a
 bad request answers the others; config.pbtxt is parsed strictly.
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from fault_tools import infer_inputs, reference_answer
+from fault_tools import infer_inputs, pipeline_loads, reference_answer, write_gliner2_model
 from manylora.client import protocol
 from tritonclient.utils import InferenceServerException
 
@@ -40,18 +41,19 @@ def _copy_model(src: Path, dst: Path, checkpoint: Path, extra_parameters: str = 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapters):
+    """The committed pipeline (CPU front gliner2 -> GPU stage gliner2_core), on the tiny checkpoint."""
     repo = tmp_path_factory.mktemp("repo")
     adapter_root = next(iter(demo_adapters.values())).parent
-    _copy_model(
-        REPO_MODEL,
-        repo / "gliner2",
+
+    def batch_delay(config):
+        config.dynamic_batching.max_queue_delay_microseconds = BATCH_DELAY_US
+
+    write_gliner2_model(
+        repo,
+        "gliner2",
         tiny_checkpoint,
-        delay_us=BATCH_DELAY_US,
-        extra_parameters=(
-            f'parameters {{ key: "adapter_dir" value: {{ string_value: "{adapter_root}" }} }}\n'
-            'parameters { key: "max_gpu_adapters" value: { string_value: "4" } }\n'
-            'parameters { key: "max_cpu_adapters" value: { string_value: "6" } }\n'
-        ),
+        {"adapter_dir": str(adapter_root), "max_gpu_adapters": "4", "max_cpu_adapters": "6"},
+        edit=batch_delay,
     )
     bad = {
         "gliner2_unknown_key": 'parameters { key: "gpu_slotz" value: { string_value: "4" } }\n',
@@ -60,7 +62,7 @@ def server(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapte
     }
     for name, extra in bad.items():
         _copy_model(REPO_MODEL, repo / name, tiny_checkpoint, extra_parameters=extra)
-    return triton_server_factory(repo, extra_args=["--model-control-mode=explicit", "--load-model=gliner2"])
+    return triton_server_factory(repo, extra_args=["--model-control-mode=explicit", *pipeline_loads()])
 
 
 def _requests(n=6):

@@ -34,7 +34,15 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from fault_tools import References, infer_inputs, stub_pids, stub_shm_region, wait_until, write_gliner2_model
+from fault_tools import (
+    References,
+    infer_inputs,
+    pipeline_loads,
+    stub_pids,
+    stub_shm_region,
+    wait_until,
+    write_gliner2_model,
+)
 from manylora.client import protocol
 from tritonclient.utils import InferenceServerException
 
@@ -170,7 +178,7 @@ def test_soak_with_faults_every_answer_correct_or_a_clean_error(
             grpc_port=grpc_port,
             metrics_port=metrics_port,
             log_file=tmp_path / log,
-            extra_args=["--model-control-mode=explicit", f"--load-model={protocol.MODEL_NAME}"],
+            extra_args=["--model-control-mode=explicit", *pipeline_loads()],
         )
         return server.start(timeout=300)
 

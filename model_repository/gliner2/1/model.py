@@ -1,7 +1,10 @@
-"""Triton Python-backend entry point: a thin shell around manylora.serving.
+"""Triton Python-backend entry point of the public gliner2 model: a thin shell around
+manylora.serving.
 
-All logic (config parsing, request decoding, batching, inference, per-request errors)
-lives in the installed ``manylora`` package.
+With its ``core_model`` parameter set (the committed repository), each instance is a CPU
+front (pre and post) that sends its rows to the GPU stage by BLS; ``execute`` is a coroutine
+so that all of a batch's BLS calls are in flight at once. All logic (config parsing, request
+decoding, per-request errors) lives in the installed ``manylora`` package.
 """
 
 import triton_python_backend_utils as pb_utils
@@ -13,8 +16,8 @@ class TritonPythonModel:
     def initialize(self, args):
         self.handler = TritonModelHandler(args, pb_utils)
 
-    def execute(self, requests):
-        return self.handler.execute(requests)
+    async def execute(self, requests):
+        return await self.handler.execute_async(requests)
 
     def finalize(self):
         self.handler.finalize()

@@ -1,0 +1,141 @@
+"""Pre stage: one validated request -> GLiNER2's record for it, and what post needs to decode it.
+
+Runs on the CPU. In the Triton pipeline it runs in the ``gliner2`` front instances (as many
+as the host's cores allow, ``instance_group.count``); in-process (``Engine.run``, tests,
+benchmarks) the engine calls it directly. Nothing here touches the GPU or the adapter store.
+
+* the schema is parsed once per SCHEMA text (a bounded LRU): GLiNER2's ``Schema`` for
+  validation, GLiNER2's schema dict and decoding metadata, and the schema half of the record
+  (``RecordBuilder.schema_part``);
+* per request: limits, then the text half of the record (``RecordBuilder.record``);
+* ``t_min``: the lowest threshold any decoding of this row compares a score with
+  (``post.sparsify_threshold``): the GPU stage sends back only scores at or above it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional
+
+from manylora.client.protocol import Request
+from manylora.errors import INVALID_ARG, RequestError
+from manylora.preprocess import RecordBuilder, SchemaPart
+
+CHARS_PER_TOKEN_BOUND = 32  # a text this many characters per allowed token is refused untokenized
+SCHEMA_CACHE_SIZE = 4096
+
+
+@dataclass
+class Prepared:
+    """One request on its way through the stages (``index``: its place in the caller's batch)."""
+
+    index: int
+    request: Request
+    record: Any  # gliner2.processor.TransformedRecord
+    metadata: Optional[dict]  # GLiNER2's decoding metadata (None in the GPU stage: post keeps it)
+    num_tokens: int
+    adapter: Any = None  # manylora.lora.adapter.LoraAdapter, looked up by the GPU stage
+    t_min: float = 0.5
+
+    @property
+    def options(self) -> tuple:
+        r = self.request
+        return (r.threshold, r.include_confidence, r.include_spans)
+
+
+class Preprocessor:
+    """Validation and tokenization of GLiNER2 requests for one checkpoint's processor."""
+
+    def __init__(self, model, max_request_tokens: int):
+        self.model = model  # a GLiNER2 instance: its processor and schema builder are used
+        self.processor = model.processor
+        self.records = RecordBuilder(self.processor)
+        self.max_request_tokens = max_request_tokens
+        self.parse_schema = lru_cache(maxsize=SCHEMA_CACHE_SIZE)(self._parse_schema_uncached)
+
+    def _parse_schema_uncached(self, schema_json: str) -> tuple[SchemaPart, dict]:
+        """(schema part of the record, GLiNER2's decoding metadata) for one SCHEMA text."""
+        from gliner2.inference.schema import Schema
+        from pydantic import ValidationError
+
+        try:
+            data = json.loads(schema_json)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise RequestError(INVALID_ARG, f"SCHEMA is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RequestError(INVALID_ARG, f"SCHEMA must be a JSON object, got {type(data).__name__}")
+        try:
+            schema = Schema.from_dict(data)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'schema'}: {e['msg']}" for e in exc.errors())
+            raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {problems}") from None
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise RequestError(INVALID_ARG, f"SCHEMA is not a valid GLiNER2 schema: {exc}") from None
+        (schema_dict,), (metadata,) = self.model._build_schema_dicts_and_metadata([schema])
+        try:
+            part = self.records.schema_part(schema_dict)
+        except Exception as exc:  # gliner2 raises plain exceptions for schemas it cannot encode
+            raise RequestError(INVALID_ARG, f"SCHEMA could not be encoded: {exc}") from None
+        return part, metadata
+
+    def check_text(self, text) -> None:
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError(INVALID_ARG, "TEXT is empty")
+        limit = self.max_request_tokens
+        if len(text) > CHARS_PER_TOKEN_BOUND * limit:  # refuse before paying for tokenization
+            raise RequestError(
+                INVALID_ARG,
+                f"TEXT has {len(text)} characters, far above the limit of "
+                f"{limit} tokens (max_request_tokens); split it into chunks",
+            )
+
+    def prepare(self, index: int, request: Request) -> Prepared:
+        """Validate and tokenize one request; raises RequestError."""
+        from manylora.post import sparsify_threshold
+
+        self.check_text(request.text)
+        part, metadata = self.parse_schema(request.schema)
+        try:
+            record = self.records.record(request.text, part)
+        except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
+            raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
+        limit = self.max_request_tokens
+        if len(record.input_ids) > limit:
+            raise RequestError(
+                INVALID_ARG,
+                f"text and schema are {len(record.input_ids)} tokens, above the limit of "
+                f"{limit} (max_request_tokens); split the text into chunks",
+            )
+        t_min = sparsify_threshold(request.threshold, metadata)
+        return Prepared(index, request, record, metadata, len(record.input_ids), t_min=t_min)
+
+    def core_record(self, input_ids, word_positions, schema_json: str):
+        """(record, metadata) for the GPU stage, from what travels between the stages: token
+        ids, each text word's first token position, and the SCHEMA text (parsed once, cached)."""
+        from gliner2.processor import TransformedRecord
+
+        part, metadata = self.parse_schema(schema_json)
+        input_ids, word_positions = list(input_ids), list(word_positions)
+        # mapped indices as RecordBuilder.record builds them (GLiNER2 pools by them unless its
+        # token pooling is "first", which reads the word positions instead)
+        mapped = list(part.mapped_indices)
+        ends = word_positions[1:] + [len(input_ids)]
+        for k, (start, end) in enumerate(zip(word_positions, ends)):
+            mapped.extend([("text", part.first_text_index + k, part.num_schemas)] * (end - start))
+        record = TransformedRecord(
+            input_ids=input_ids,
+            mapped_indices=mapped,
+            schema_tokens_list=part.schema_tokens_list,
+            text_tokens=[],
+            structure_labels=part.structure_labels,
+            task_types=part.task_types,
+            start_token_idx=[],
+            end_token_idx=[],
+            text="",
+            schema=part.schema,
+            text_word_first_positions=word_positions,
+            schema_special_positions=part.schema_special_positions,
+        )
+        return record, metadata

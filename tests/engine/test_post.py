@@ -1,0 +1,483 @@
+"""manylora.post: compact GPU answers decode to exactly what GLiNER2 returns.
+
+GLiNER2 2.1.0 is the reference everywhere: its dense head outputs are computed with its own
+batch functions, its own decoding (``_extract_from_batch_sync_collapsed`` /
+``_decode_span_probabilities`` + ``format_results``) gives the expected answers, and ours
+(``compact_batch`` -> ``CompactRow`` arrays -> ``PostDecoder.decode``) must equal them with
+no tolerance: same structure, same labels, the same float scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from manylora.compare import result_differences
+from manylora.demo import demo_schemas, demo_texts
+from manylora.post import (
+    CompactRow,
+    PostDecoder,
+    compact_batch,
+    dtype_floor,
+    head_outputs,
+    needs_raw_logits,
+    normalize_overlap_policy,
+    resolve_overlaps,
+    sparsify_threshold,
+)
+
+OPTIONS = [(False, False), (True, False), (False, True), (True, True)]  # include_confidence, include_spans
+POLICIES = [None, "allow", "nested", "flat", "longest"]
+
+TEXTS = [
+    "Tim Cook leads Apple in Cupertino and met Satya Nadella of Microsoft in Seattle on 12 May 2021",
+    "¡Hola! José García moved from São Paulo to Zürich — in 2019 — with €1,200 and a new job at Siemens.",
+    "IBM, Microsoft and Google (Alphabet) met on 12/03/2024 at 9:30am; no deal was signed in Berlin.",
+    "   Leading and trailing spaces around Berlin and Munich, where BMW builds cars.   ",
+]
+
+
+# ---------------------------------------------------------------------------- schemas
+def _feature_schemas() -> list:
+    """Schemas covering every decoding feature (built with GLiNER2's own Schema builder)."""
+    from gliner2.inference.schema import AttributeGroup, RegexValidator, Schema
+
+    entities = Schema().entities(
+        {
+            "person": {"description": "full names of people", "threshold": 0.37},
+            "date": {"dtype": "str"},
+            "organization": "companies and institutions",
+            "money": {"dtype": "str", "threshold": 0.45},
+        }
+    )
+    entities.entities(["location"], validators=[RegexValidator(r"[A-Z]\w+", flags=0)])
+    entities.entities({"city": {"dtype": "str"}}, validators=[RegexValidator("the", mode="partial", exclude=True)])
+
+    relations = Schema().entities(["person", "organization"])
+    relations.relations({"works_for": {"threshold": 0.37}, "located_in": "a place and where it is"})
+    relations.relations(["founded"], threshold=0.6)
+
+    structures = Schema()
+    deal = structures.structure("deal")
+    deal.field("buyer", dtype="str", threshold=0.4)
+    deal.field("kind", dtype="str", choices=["acquisition", "merger", "lawsuit"])
+    deal.field("tags", dtype="list", choices=["finance", "technology", "health"], threshold=0.3)
+    deal.field("amount", validators=[RegexValidator(r"\d", mode="partial")])
+    deal.field("people", description="people named in the deal")
+    profile = structures.structure("profile")
+    profile.field("name", dtype="str")
+    profile.field("level", dtype="str", choices=["junior", "senior"], threshold=0.6)
+    profile.field("skills", choices=["python", "sales"])
+
+    attributes = Schema().entities(["person", "organization"])
+    attributes.entities({"product": {"dtype": "str", "threshold": 0.45}})
+    attributes.entity_attributes(
+        {
+            "sentiment": AttributeGroup(labels=["positive", "negative", "neutral"]),
+            "role": AttributeGroup(
+                labels=["buyer", "seller"], multi_label=True, threshold=0.3, applies_to=["organization"]
+            ),
+            "status": AttributeGroup(labels=["new", "old"], qualify_labels=True),
+            "stance": AttributeGroup(labels=["pro", "con"], multi_label=True),  # sigmoid(0) == 0.5: a tie
+        }
+    )
+
+    classes = Schema()
+    topics = ["business", "politics", "sports", "science", "health"]
+    classes.classification("topic", topics, multi_label=True, cls_threshold=0.3, top_k=2)
+    classes.classification("tone", ["formal", "casual"], class_act="sigmoid")
+    classes.classification("flags", ["a", "b", "c"], multi_label=True, class_act="softmax", cls_threshold=0.2)
+    classes.classification("mood", {"calm": "quiet", "angry": "loud"}, cls_threshold=0.9, multi_label=True)
+
+    mixed = Schema().entities(["person", "location"]).classification("sentiment", ["positive", "negative"])
+    mixed.relations(["works_for"])
+    mixed.structure("event").field("what", dtype="str").field("kind", choices=["meeting", "sale"])
+
+    raw_dict = {  # GLiNER2's internal form (no Schema): no relation order, so empty relations stay top-level
+        "entities": {"person": "", "company": ""},
+        "relations": [{"works_for": {"head": "", "tail": ""}}],
+        "json_structures": [{"deal": {"buyer": "", "kind": {"value": "", "choices": ["sale", "merger"]}}}],
+        "classifications": [{"task": "sentiment", "labels": ["positive", "negative"]}],
+    }
+    return [entities, relations, structures, attributes, classes, mixed, raw_dict]
+
+
+def _all_schemas() -> list:
+    from gliner2.inference.schema import Schema
+
+    return [Schema.from_dict(s) for s in demo_schemas()] + _feature_schemas()
+
+
+def _cases(n_texts: int = 2) -> list:
+    schemas = _all_schemas()
+    texts = TEXTS + demo_texts(len(schemas) * n_texts, seed=3, min_words=15, max_words=45)
+    return [(texts[i], schemas[i % len(schemas)]) for i in range(len(schemas) * n_texts)]
+
+
+# ---------------------------------------------------------------------------- GLiNER2 side
+def _bf16_model(tiny_checkpoint):
+    from gliner2 import GLiNER2
+
+    return GLiNER2.from_pretrained(str(tiny_checkpoint)).to(torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def models(reference_model, tiny_checkpoint):
+    return {torch.float32: reference_model, torch.bfloat16: _bf16_model(tiny_checkpoint)}
+
+
+class Dense:
+    """GLiNER2's dense head outputs for some cases (its own batch functions, on CPU)."""
+
+    def __init__(self, model, cases, dtype):
+        self.model = model
+        processor = model.processor
+        processor.change_mode(is_training=False)
+        schema_dicts, self.metadata = model._build_schema_dicts_and_metadata([s for _, s in cases])
+        self.records = [processor.transform_record(text, sd) for (text, _), sd in zip(cases, schema_dicts)]
+        batch = processor._pad_batch(self.records)
+        self.batch = batch.to(torch.device("cpu"), dtype if dtype != torch.float32 else None)
+        with torch.inference_mode():
+            tokens, self.schema_embs = processor.extract_embeddings_from_batch(
+                model.encode_tokens(self.batch, None), self.batch.input_ids, self.batch
+            )
+            self.raw_logits, self.pred_counts, self.cls_probs, self.skipped = head_outputs(
+                model, self.batch, tokens, self.schema_embs
+            )
+
+    def metadata_with(self, policy):
+        if policy is None:
+            return self.metadata
+        return [{**m, "_overlap_policy": policy} for m in self.metadata]
+
+    def reference(self, threshold, include_confidence, include_spans, metadata=None):
+        from gliner2.inference.runtime import format_results
+
+        metadata = metadata or self.metadata
+        with torch.inference_mode():
+            raw = self.model._extract_from_batch_sync_collapsed(
+                batch=self.batch,
+                all_schema_embs=self.schema_embs,
+                all_raw_logits=self.raw_logits,
+                all_pred_counts=self.pred_counts,
+                threshold=threshold,
+                metadata_list=metadata,
+                include_confidence=include_confidence,
+                include_spans=include_spans,
+            )
+        return [
+            format_results(r, include_confidence, m.get("relation_order", []), m.get("classification_tasks", []))
+            for r, m in zip(raw, metadata)
+        ]
+
+    def compact(self, threshold, metadata=None, t_min=None):
+        metadata = metadata or self.metadata
+        t_min = t_min if t_min is not None else [sparsify_threshold(threshold, m) for m in metadata]
+        rows = compact_batch(
+            self.raw_logits,
+            self.pred_counts,
+            self.cls_probs,
+            t_min,
+            logit_tasks=[needs_raw_logits(r, m) for r, m in zip(self.records, metadata)],
+            skipped=self.skipped,
+        )
+        return [CompactRow.from_arrays(row.to_arrays()) for row in rows]  # as they travel through Triton
+
+    def ours(self, threshold, include_confidence, include_spans, metadata=None, rows=None):
+        metadata = metadata or self.metadata
+        rows = rows if rows is not None else self.compact(threshold, metadata)
+        decoder = PostDecoder.from_model(self.model)
+        return [
+            decoder.decode(row, record, meta, threshold, include_confidence, include_spans)
+            for row, record, meta in zip(rows, self.records, metadata)
+        ]
+
+
+def _assert_equal(got, expected, cases, label=""):
+    failures = []
+    for i, (g, e) in enumerate(zip(got, expected)):
+        diffs = result_differences(g, e, atol=0.0)
+        if diffs or json.dumps(g) != json.dumps(e):
+            failures.append(f"case {i} text={cases[i][0][:40]!r}: {diffs[:3] or (g, e)}")
+    assert len(got) == len(expected)
+    assert not failures, f"{label}: {len(failures)} of {len(got)} differ:\n" + "\n".join(failures[:5])
+
+
+@pytest.fixture(scope="module")
+def dense(models):
+    cases = _cases(2)
+    short = _cases(1)[: len(_all_schemas())]
+    return {
+        dtype: (Dense(model, cases, dtype), cases, Dense(model, short, dtype), short) for dtype, model in models.items()
+    }
+
+
+# ---------------------------------------------------------------------------- real model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threshold", [0.0, 0.37, 0.5, 0.99])
+def test_equals_gliner2(dense, dtype, threshold):
+    full, cases, short, short_cases = dense[dtype]
+    which, which_cases = (short, short_cases) if threshold == 0.0 else (full, cases)
+    options = OPTIONS[::3] if threshold == 0.0 else OPTIONS
+    for include_confidence, include_spans in options:
+        expected = which.reference(threshold, include_confidence, include_spans)
+        got = which.ours(threshold, include_confidence, include_spans)
+        _assert_equal(
+            got, expected, which_cases, f"{dtype} t={threshold} conf={include_confidence} spans={include_spans}"
+        )
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_overlap_policies_equal_gliner2(dense, policy):
+    for dtype in (torch.float32, torch.bfloat16):
+        full, cases, _, _ = dense[dtype]
+        metadata = full.metadata_with(policy)
+        for threshold in (0.3, 0.5):
+            expected = full.reference(threshold, True, True, metadata)
+            got = full.ours(threshold, True, True, metadata)
+            _assert_equal(got, expected, cases, f"{dtype} {policy} t={threshold}")
+
+
+def test_harness_matches_batch_extract(dense, models):
+    """The dense path used above is GLiNER2's own: batch_extract answers the same."""
+    settings = {torch.float32: [(0.5, True, False)], torch.bfloat16: [(0.37, False, True)]}
+    for dtype, model in models.items():
+        full, cases, _, _ = dense[dtype]
+        for threshold, include_confidence, include_spans in settings[dtype]:
+            expected = model.batch_extract(
+                [t for t, _ in cases],
+                [s for _, s in cases],
+                batch_size=len(cases),
+                threshold=threshold,
+                include_confidence=include_confidence,
+                include_spans=include_spans,
+            )
+            got = full.ours(threshold, include_confidence, include_spans)
+            _assert_equal(got, expected, cases, f"batch_extract {dtype} t={threshold}")
+
+
+def test_cases_cover_features(dense):
+    full, cases, _, _ = dense[torch.float32]
+    expected = full.reference(0.3, True, True)
+    text = json.dumps(expected)
+    # every kind of answer appears, so the equality above is not vacuous
+    for needle in ('"relation_extraction"', '"head"', '"sentiment"', '"role"', '"topic"', '"kind"', '"tags"'):
+        assert needle in text, needle
+    assert sum(text.count('"confidence"') for text in map(json.dumps, expected)) > 3 * len(cases)
+    counts = [c for row in full.pred_counts for c in row]
+    assert 0 in counts and max(counts) >= 2
+    assert any(any(row) for row in (needs_raw_logits(r, m) for r, m in zip(full.records, full.metadata)))
+
+
+def test_sparsification_drops_elements_and_t_min_changes_nothing(dense):
+    for dtype in (torch.float32, torch.bfloat16):
+        full, cases, _, _ = dense[dtype]
+        threshold = 0.5
+        rows = full.compact(threshold)
+        dense_size = sum(t.numel() for row in full.raw_logits for t in row if t is not None)
+        kept = sum(len(r.scores) for r in rows)
+        assert 0 < kept < dense_size / 10, (kept, dense_size)
+        t_min = [sparsify_threshold(threshold, m) for m in full.metadata]
+        assert min(t_min) < threshold  # per-entity / per-field thresholds below the request's
+        for row, floor_at in zip(rows, t_min):
+            assert (row.scores >= dtype_floor(floor_at, dtype)).all()
+        everything = full.compact(threshold, t_min=[-math.inf] * len(cases))
+        assert sum(len(r.scores) for r in everything) == dense_size
+        expected = full.reference(threshold, True, True)
+        _assert_equal(full.ours(threshold, True, True, rows=everything), expected, cases, "dense")
+        _assert_equal(full.ours(threshold, True, True, rows=rows), expected, cases, "sparse")
+
+
+def test_row_arrays_round_trip(dense):
+    full, _, _, _ = dense[torch.bfloat16]
+    for row in full.compact(0.5):
+        arrays = row.to_arrays()
+        assert all(isinstance(a, np.ndarray) for a in arrays.values())
+        back = CompactRow.from_arrays(arrays)
+        assert back.dtype == torch.bfloat16
+        for key, value in back.to_arrays().items():
+            assert np.array_equal(value, arrays[key], equal_nan=True), key
+
+
+# ---------------------------------------------------------------------------- fabricated outputs
+@pytest.fixture(scope="module")
+def pool(reference_model):
+    """Records (GLiNER2's own transform) of every schema on short texts, for random head outputs."""
+    processor = reference_model.processor
+    processor.change_mode(is_training=False)
+    schemas = _all_schemas()
+    texts = TEXTS[:2] + demo_texts(len(schemas), seed=11, min_words=4, max_words=25)
+    schema_dicts, metadata = reference_model._build_schema_dicts_and_metadata(schemas)
+    return [
+        (processor.transform_record(texts[i % len(texts)], sd), meta)
+        for i, (sd, meta) in enumerate(zip(schema_dicts, metadata))
+    ]
+
+
+def _fabricate(rng, records, dtype, width):
+    """Random head outputs with ties, masked (-inf) spans, zero counts, missing logits, skipped tasks."""
+    from gliner2.inference.runtime import ExtractorRuntimeMixin
+
+    raw, counts, probs, embs, skipped = [], [], [], [], []
+    for record in records:
+        length = len(record.text_tokens)
+        raw_r, counts_r, probs_r, embs_r, skipped_r = [], [], [], [], []
+        for t, (tokens, task_type) in enumerate(zip(record.schema_tokens_list, record.task_types)):
+            skip = rng.random() < 0.05
+            n_special = 1 + sum(tok in ("[E]", "[C]", "[R]", "[L]") for tok in tokens)
+            embs_r.append([] if skip else [torch.tensor([len(raw), t], dtype=torch.float32)] * n_special)
+            skipped_r.append(skip)
+            fields = sum(tok in ("[E]", "[C]", "[R]") for tok in tokens[:-1])
+            if task_type == "classifications":
+                config = ExtractorRuntimeMixin._resolve_classification_config(
+                    tokens[2], record.schema.get("classifications", [])
+                )
+                values = rng.choice([0.1, 0.3, 0.5, 0.7, rng.random()], size=n_special - 1)
+                p = torch.tensor(values, dtype=torch.float32).to(dtype)
+                probs_r.append(None if skip or config is None else p)
+                raw_r.append(None)
+                counts_r.append(0)
+                continue
+            probs_r.append(None)
+            count = int(rng.choice([0, 1, 1, 2, 3]))
+            counts_r.append(count)
+            if count == 0 or fields == 0 or skip or rng.random() < 0.03:
+                raw_r.append(None)
+                continue
+            instances = 1 if task_type == "entities" else count
+            logits = rng.normal(0.0, 2.0, size=(instances, fields, length, width))
+            tie = rng.random(logits.shape) < 0.3
+            logits[tie] = rng.choice([-1.0, 0.0, 0.5, 1.5], size=int(tie.sum()))
+            starts, widths = np.meshgrid(np.arange(length), np.arange(width), indexing="ij")
+            logits[:, :, starts + widths >= length] = -math.inf  # GLiNER2 masks spans past the text
+            raw_r.append(torch.tensor(logits, dtype=torch.float32).to(dtype))
+        raw.append(raw_r)
+        counts.append(counts_r)
+        probs.append(probs_r)
+        embs.append(embs_r)
+        skipped.append(skipped_r)
+    return raw, counts, probs, embs, skipped
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    policy=st.sampled_from(POLICIES),
+    options=st.sampled_from(OPTIONS),
+    threshold_kind=st.sampled_from(["fixed", "score", "below", "above"]),
+)
+def test_random_outputs_equal_gliner2_decoding(reference_model, pool, seed, dtype, policy, options, threshold_kind):
+    from gliner2.inference.runtime import format_results
+
+    model = reference_model
+    rng = np.random.default_rng(seed)
+    chosen = [pool[i] for i in rng.choice(len(pool), size=int(rng.integers(1, 4)), replace=False)]
+    records = [r for r, _ in chosen]
+    metadata = [m if policy is None else {**m, "_overlap_policy": policy} for _, m in chosen]
+    raw, counts, probs, embs, skipped = _fabricate(rng, records, dtype, width=int(rng.integers(3, 9)))
+    threshold = float(rng.choice([0.0, 0.37, 0.5, 0.99]))
+    scores = [torch.sigmoid(t).reshape(-1) for row in raw for t in row if t is not None]
+    if threshold_kind != "fixed" and scores:
+        flat = torch.cat(scores)
+        value = flat[int(rng.integers(len(flat)))].float()
+        step = {"score": 0.0, "below": -1e-7, "above": 1e-7}[threshold_kind]
+        threshold = float(value) + step  # exactly a score, or between two float32 neighbours of it
+
+    def classification(schema, stacked, tokens, temperature=1.0):
+        config = model._resolve_classification_config(tokens[2], schema.get("classifications", []))
+        row, task = int(stacked[0, 0]), int(stacked[0, 1])
+        return None if config is None else (config["task"], config, probs[row][task])
+
+    batch = model.processor._pad_batch(records)
+    include_confidence, include_spans = options
+    with mock.patch.object(model, "_compute_classification_probabilities", classification):
+        raw_results = model._extract_from_batch_sync_collapsed(
+            batch, embs, raw, counts, threshold, metadata, include_confidence, include_spans
+        )
+    expected = [
+        format_results(r, include_confidence, m.get("relation_order", []), m.get("classification_tasks", []))
+        for r, m in zip(raw_results, metadata)
+    ]
+    rows = compact_batch(
+        raw,
+        counts,
+        probs,
+        [sparsify_threshold(threshold, m) for m in metadata],
+        logit_tasks=[needs_raw_logits(r, m) for r, m in zip(records, metadata)],
+        skipped=skipped,
+    )
+    decoder = PostDecoder.from_model(model)
+    got = [
+        decoder.decode(CompactRow.from_arrays(row.to_arrays()), rec, meta, threshold, include_confidence, include_spans)
+        for row, rec, meta in zip(rows, records, metadata)
+    ]
+    cases = [(r.text, None) for r in records]
+    _assert_equal(got, expected, cases, f"seed={seed} {dtype} {policy} t={threshold!r}")
+
+
+# ---------------------------------------------------------------------------- pieces
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    spans=st.lists(
+        st.tuples(st.sampled_from([0.1, 0.5, 0.5, 0.9, 0.25]), st.integers(0, 12), st.integers(1, 6)), max_size=9
+    ),
+    policy=st.sampled_from(["allow", "nested", "disallow", "flat", "longest", "keep-longest"]),
+)
+def test_resolve_overlaps_equals_gliner2(spans, policy):
+    from gliner2.inference.overlap import resolve_overlaps as reference
+
+    items = [(f"s{i}", score, start, start + length) for i, (score, start, length) in enumerate(spans)]
+    expected = reference(items, policy, score=lambda s: s[1], start=lambda s: s[2], end=lambda s: s[3])
+    assert resolve_overlaps(items, policy) == expected
+
+
+def test_overlap_policy_names_and_decoder_settings(reference_model):
+    from gliner2.inference.overlap import normalize_overlap_policy as reference
+
+    for name in ["allow", "ALL", "none", "nested", "allow-nested", "flat", "disallow", "no_overlap", "longest"]:
+        assert normalize_overlap_policy(name) == reference(name)
+    with pytest.raises(ValueError):
+        normalize_overlap_policy("sideways")
+    decoder = PostDecoder.from_model(reference_model)
+    assert decoder.overlap_policy is reference_model._resolved_overlap_policy(None)
+    for policy in POLICIES:
+        assert decoder._policy({"_overlap_policy": policy}) == reference_model._metadata_overlap_policy(
+            {"_overlap_policy": policy}
+        )
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    value=st.floats(-2.0, 2.0, allow_nan=False) | st.sampled_from([0.0, 0.37, 0.7, 0.9, 1.0, -1e-30, 1e-30, 1e-45]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_dtype_floor_keeps_everything_torch_accepts(value, dtype):
+    floor = dtype_floor(value, dtype)
+    as_dtype = torch.tensor([floor], dtype=torch.float64).to(dtype)
+    assert float(as_dtype[0]) == floor and floor <= value  # a value of the dtype, not above
+    # every value of the dtype that torch's comparison with `value` accepts is >= the floor
+    neighbours = torch.tensor([floor], dtype=dtype)
+    below = torch.nextafter(neighbours.float(), torch.tensor([-math.inf])).to(dtype)
+    candidates = torch.cat([below, neighbours, torch.tensor([value], dtype=torch.float64).to(dtype)])
+    accepted = candidates[candidates >= value]
+    assert bool((accepted >= torch.tensor(floor, dtype=dtype)).all())
+
+
+def test_sparsify_threshold_reads_every_metadata_threshold():
+    metadata = {
+        "entity_metadata": {"a": {"threshold": 0.6}, "b": {"threshold": None}},
+        "field_metadata": {"s.x": {"threshold": 0.3}},
+        "relation_metadata": {"r": {"threshold": 0.45}},
+    }
+    assert sparsify_threshold(0.5, metadata) == 0.3
+    assert sparsify_threshold(0.2, metadata) == 0.2
+    assert sparsify_threshold(0.5, {}) == 0.5
+    assert sparsify_threshold(float("nan"), {}) == math.inf
