@@ -24,7 +24,7 @@ import gc
 import logging
 import time
 from collections import deque
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -64,6 +64,17 @@ PAD_MULTIPLE = 16
 CHUNK_COST_TOKENS = 32768
 
 Result = Union[dict, RequestError]
+
+
+class CoreRequest(NamedTuple):
+    """What the GPU stage knows of a row's request (``Prepared.request`` there): a full
+    ``Request`` would re-validate the schema per row for nothing (the front did)."""
+
+    adapter: str
+    schema: str
+    threshold: float
+
+
 CoreResult = Union[CompactRow, RequestError]
 
 
@@ -235,6 +246,7 @@ class Engine:
         return batch, hidden, slot_per_row
 
     # ------------------------------------------------------------------ heads -> compact
+    @torch.inference_mode()
     def compact(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[CompactRow]:
         """GLiNER2's heads on the whole chunk, each row with its own head LoRA, reduced to what
         decoding reads (``post.compact_batch``): one CompactRow per row of ``chunk``."""
@@ -304,7 +316,7 @@ class Engine:
             try:
                 adapter = self._adapter(adapter_id, found)
                 record, metadata = self.pre.core_record(input_ids, word_positions, schema_json)
-                request = Request(text="", schema=schema_json, adapter=adapter_id, threshold=t_min)
+                request = CoreRequest(adapter_id, schema_json, t_min)
                 prepared.append(Prepared(index, request, record, metadata, len(record.input_ids), adapter, t_min))
             except RequestError as exc:
                 results[index] = exc

@@ -298,19 +298,24 @@ class TritonModelHandler:
                 raise RequestError(UNAVAILABLE, f"the GPU stage failed: {answer.error().message()}")
             statuses = pb.get_output_tensor_by_name(answer, "STATUS").as_numpy().reshape(-1)
             packed = pb.get_output_tensor_by_name(answer, "COMPACT").as_numpy().reshape(-1)
-            if len(statuses) != rows or len(packed) != rows:
+            if len(statuses) != rows or len(packed) != 1:
                 raise RequestError(INTERNAL, f"the GPU stage answered {len(statuses)} rows for {rows}")
+            arrays = wire.unpack_rows(packed[0])
+            if len(arrays) != rows:
+                raise RequestError(INTERNAL, f"the GPU stage answered {len(arrays)} rows for {rows}")
         except RequestError as exc:
             return [exc] * rows
+        except Exception as exc:
+            return [RequestError(INTERNAL, f"the GPU stage's answer is malformed: {exc}")] * rows
         out: list = []
-        for status, blob in zip(statuses, packed):
+        for status, row in zip(statuses, arrays):
             status = status.decode("utf-8", "replace") if isinstance(status, bytes) else str(status)
-            if status:
-                code, _, message = status.partition("\t")
+            if status or row is None:
+                code, _, message = (status or "INTERNAL\tthe GPU stage answered no row").partition("\t")
                 out.append(RequestError(code if code in CODES else INTERNAL, message))
                 continue
             try:
-                out.append(CompactRow.from_arrays(wire.unpack_arrays(blob)))
+                out.append(CompactRow.from_arrays(row))
             except Exception as exc:
                 out.append(RequestError(INTERNAL, f"the GPU stage's answer is malformed: {exc}"))
         return out
@@ -401,18 +406,27 @@ class CoreModelHandler(TritonModelHandler):
         t_min = flat["T_MIN"].astype(np.float64)
         if not np.all((t_min >= 0.0) & (t_min <= 1.0)):
             raise RequestError(INVALID_ARG, "T_MIN must be within [0, 1]")
-        token_ends, word_ends = np.cumsum(tokens), np.cumsum(words)
-        items = []
+        token_ends, word_ends = np.cumsum(tokens).tolist(), np.cumsum(words).tolist()
+        ids_list, positions_list, t_list = ids.tolist(), positions.tolist(), t_min.tolist()
+        texts: dict = {}  # bytes -> str: the rows of one request mostly share a schema
+        items, token_start, word_start = [], 0, 0
         for row in range(rows):
-            row_ids = ids[token_ends[row] - tokens[row] : token_ends[row]]
-            row_words = positions[word_ends[row] - words[row] : word_ends[row]]
-            if row_words.size and (
-                row_words[0] < 0 or row_words[-1] >= row_ids.size or np.any(np.diff(row_words) <= 0)
-            ):
+            row_ids = ids_list[token_start : token_ends[row]]
+            row_words = positions_list[word_start : word_ends[row]]
+            token_start, word_start = token_ends[row], word_ends[row]
+            if row_words and (row_words[0] < 0 or row_words[-1] >= len(row_ids)):
                 raise RequestError(INVALID_ARG, "WORD_POS must be increasing positions within each row")
-            schema = _text(flat["SCHEMA"][row], "SCHEMA")
-            adapter = _text(flat["ADAPTER_ID"][row], "ADAPTER_ID")
-            items.append((row_ids.tolist(), row_words.tolist(), schema, adapter, float(t_min[row])))
+            schema, adapter = flat["SCHEMA"][row], flat["ADAPTER_ID"][row]
+            if schema not in texts:
+                texts[schema] = _text(schema, "SCHEMA")
+            if adapter not in texts:
+                texts[adapter] = _text(adapter, "ADAPTER_ID")
+            items.append((row_ids, row_words, texts[schema], texts[adapter], t_list[row]))
+        falls = np.diff(positions) <= 0  # allowed only where a new row starts
+        starts = np.asarray(word_ends[:-1], dtype=np.int64) - 1
+        falls[starts[(starts >= 0) & (starts < falls.size)]] = False
+        if falls.any():
+            raise RequestError(INVALID_ARG, "WORD_POS must be increasing positions within each row")
         return items
 
     def _run_core(self, items: list) -> list:
@@ -429,18 +443,12 @@ class CoreModelHandler(TritonModelHandler):
 
     def _core_response(self, rows: list):
         pb = self.pb_utils
-        statuses, packed = [], []
-        for row in rows:
-            if isinstance(row, RequestError):
-                statuses.append(f"{row.code}\t{row.message}".encode("utf-8"))
-                packed.append(b"")
-            else:
-                statuses.append(b"")
-                packed.append(wire.pack_arrays(row.to_arrays()))
+        statuses = [f"{r.code}\t{r.message}".encode("utf-8") if isinstance(r, RequestError) else b"" for r in rows]
+        packed = wire.pack_rows([None if isinstance(r, RequestError) else r.to_arrays() for r in rows])
         return pb.InferenceResponse(
             output_tensors=[
                 pb.Tensor("STATUS", np.array([statuses], dtype=np.object_)),
-                pb.Tensor("COMPACT", np.array([packed], dtype=np.object_)),
+                pb.Tensor("COMPACT", np.array([[packed]], dtype=np.object_)),
             ]
         )
 

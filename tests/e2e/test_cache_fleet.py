@@ -1,6 +1,6 @@
 """End-to-end: a fleet of 300 adapters through 8 GPU slots and 32 host slots.
 
-The real tritonserver serves the tiny checkpoint with 300 random rank-16 adapters on encoder
+The real tritonserver serves the committed pipeline on the tiny checkpoint with 300 random rank-16 adapters on encoder
 and heads. Every adapter is asked for at once (plus repeats), far more than both tiers hold:
 every request is answered, a sample of the answers equals GLiNER2 + PEFT with that adapter
 alone, and the metrics show the cache at work (misses, evictions in both tiers, residents
@@ -12,17 +12,13 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from fault_tools import infer_inputs, send_together
-from google.protobuf import text_format
+from fault_tools import infer_inputs, send_together, write_gliner2_model
 from manylora.client import protocol
-from tritonclient.grpc import model_config_pb2
 
 from manylora.compare import result_differences
 from manylora.demo import demo_schemas, demo_texts
@@ -31,7 +27,6 @@ from manylora.lora.demo_adapters import clone_random_adapters
 ADAPTERS, GPU_SLOTS, HOST_SLOTS = 300, 8, 32
 REPEATS = 40  # requests for adapters already asked for: some hit the tiers
 SAMPLE = 8
-GLINER2 = Path(__file__).resolve().parents[2] / "model_repository" / "gliner2"
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +35,16 @@ def fleet(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapter
     folders = clone_random_adapters(
         demo_adapters["enc-heads-r16"], base / "adapters", ADAPTERS, seed=11, dtype=torch.float32
     )
-    model = base / "repo" / "gliner2"
-    shutil.copytree(GLINER2, model, ignore=shutil.ignore_patterns("__pycache__"))
-    config = text_format.Parse((GLINER2 / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    config.parameters.clear()
     parameters = {
-        "checkpoint": str(tiny_checkpoint),
         "adapter_dir": str(base / "adapters"),
         "max_gpu_adapters": str(GPU_SLOTS),
         "max_cpu_adapters": str(HOST_SLOTS),
     }
-    for key, value in parameters.items():
-        config.parameters[key].string_value = value
-    # a loaded 2-core machine may need longer than the committed 30 s queue policy
-    config.dynamic_batching.default_queue_policy.default_timeout_microseconds = 300_000_000
-    (model / "config.pbtxt").write_text(text_format.MessageToString(config))
+
+    def patient(config):  # a loaded 2-core machine may need longer than the committed 30 s queue policy
+        config.dynamic_batching.default_queue_policy.default_timeout_microseconds = 300_000_000
+
+    write_gliner2_model(base / "repo", "gliner2", tiny_checkpoint, parameters, edit=patient, core_edit=patient)
     return triton_server_factory(base / "repo"), {f.name: f for f in folders}
 
 

@@ -250,7 +250,7 @@ def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters)
         lines = [
             line
             for line in text.splitlines()
-            if line.startswith(name + "{") and all(label in line for label in ('model="gliner2"', *labels))
+            if line.startswith(name + "{") and all(label in line for label in ('model="gliner2_core"', *labels))
         ]
         assert lines, f"{name} {labels} not exported"
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines)

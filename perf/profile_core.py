@@ -1,0 +1,95 @@
+"""Where does the GPU stage's host time go? ``Engine.run_core`` on one big batch of rows as the
+fronts send them, timed by phase and under cProfile.
+
+    python perf/profile_core.py --checkpoint models/demo-base [--adapters DIR --adapters-in-flight 1024]
+
+The GPU stage is one process: its host time per row bounds the pipeline's throughput
+(docs/architecture.md). Prints ms per row of the whole call, the wall time spent waiting for
+the GPU, and the top host functions; writes the full tables under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import ENTITY_SCHEMA, pick_adapters  # noqa: E402  (same requests as the benchmarks)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--adapters", type=Path)
+    p.add_argument("--adapters-in-flight", type=int, default=0)
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("perf/results/profile-core"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from manylora.config import EngineConfig
+    from manylora.demo import demo_texts
+    from manylora.engine import Engine, Request, freeze_long_lived
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    params = {"checkpoint": str(args.checkpoint), "max_lora_rank": "16", "cpu_threads": "2"}
+    names: list[str] = []
+    if args.adapters and args.adapters_in_flight:
+        params.update(
+            adapter_dir=str(args.adapters),
+            max_gpu_adapters=str(args.adapters_in_flight),
+            max_cpu_adapters=str(args.adapters_in_flight),
+            preload_adapters="all",
+        )
+        names = sorted(d.name for d in args.adapters.iterdir() if d.name.startswith("adapter-"))
+        names = names[: args.adapters_in_flight]
+    engine = Engine(EngineConfig.from_parameters(params, device=device))
+    freeze_long_lived()
+    schema = json.dumps(ENTITY_SCHEMA)
+    texts = demo_texts(args.rows, seed=5, min_words=60, max_words=120)
+    adapters = pick_adapters(names, args.rows, "uniform", 0) if names else [""] * args.rows
+    prepared = [engine.pre.prepare(i, Request(t, schema, adapter=a)) for i, (t, a) in enumerate(zip(texts, adapters))]
+    items = [(p.record.input_ids, p.record.text_word_first_positions, schema, p.request.adapter, p.t_min) for p in prepared]
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    engine.run_core(items)  # warm-up: kernels compile, shapes are seen
+    sync()
+    walls = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        engine.run_core(items)
+        sync()
+        walls.append(time.perf_counter() - t0)
+    profile = cProfile.Profile()
+    profile.enable()
+    engine.run_core(items)
+    sync()
+    profile.disable()
+    best = min(walls)
+    lines = [
+        f"device {device}, rows {args.rows}, adapters {len(names)}: run_core {best * 1e3:.1f} ms "
+        f"= {best * 1e3 / args.rows:.3f} ms/row ({args.rows / best:.0f} rows/s), walls {[round(w, 3) for w in walls]}"
+    ]
+    for sort in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(40)
+        (args.out / f"core-{sort}.txt").write_text(lines[0] + "\n" + out.getvalue())
+        lines.append(out.getvalue())
+    print("\n".join(lines)[:12000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
