@@ -38,7 +38,7 @@ from manylora.lora.adapter import AdapterError
 from manylora.lora.batch import LoraBatch
 from manylora.lora.heads import HeadLoras
 from manylora.lora.store import AdapterStore, plan_waves
-from manylora.post import CompactRow, PostDecoder, compact_batch, needs_raw_logits, skipped_tasks
+from manylora.post import CompactRow, PostDecoder, compact_batch, compact_dense, needs_raw_logits, skipped_tasks
 from manylora.pre import CHARS_PER_TOKEN_BOUND, Prepared, Preprocessor
 
 __all__ = [
@@ -142,6 +142,9 @@ class Engine:
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
             logger.info("preloaded %d adapters in %.1f s", len(loaded), time.perf_counter() - started)
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
+        # True: the heads run GLiNER2's per-row list layout (compact_batch) for every chunk, as
+        # they do anyway for attribute groups; False: the dense batch layout (tests compare them)
+        self.list_heads = False
 
     # ------------------------------------------------------------------ pre
     def _adapter(self, adapter_id: str, found: Optional[dict]):
@@ -256,13 +259,30 @@ class Engine:
             for p, slot in zip(chunk, slot_per_row)
         ]
         hidden = encode_padded(batch, states)
+        logit_tasks = [needs_raw_logits(p.record, p.metadata or {}) for p in chunk]
+        t_min = [p.t_min for p in chunk]
+        if not self.list_heads and not any(any(row) for row in logit_tasks):
+            schema_embs = self._schema_embeddings(batch, hidden)
+            with self.heads.batch(batch, row_slots):
+                logits, plan = self.heads.span_logits_dense(batch, hidden)
+                cls_probs = self.heads.classification_probabilities(batch, schema_embs)
+            skipped = skipped_tasks(batch.task_types, schema_embs)
+            return compact_dense(logits, plan, cls_probs, t_min, skipped, [len(t) for t in batch.task_types])
         token_embs, schema_embs = self.processor.extract_embeddings_from_batch(hidden, batch.input_ids, batch)
         with self.heads.batch(batch, row_slots):
             raw_logits, pred_counts = self.heads.span_logits(batch, token_embs, schema_embs)
             cls_probs = self.heads.classification_probabilities(batch, schema_embs)
-        logit_tasks = [needs_raw_logits(p.record, p.metadata or {}) for p in chunk]
         skipped = skipped_tasks(batch.task_types, schema_embs)
-        return compact_batch(raw_logits, pred_counts, cls_probs, [p.t_min for p in chunk], logit_tasks, skipped)
+        return compact_batch(raw_logits, pred_counts, cls_probs, t_min, logit_tasks, skipped)
+
+    @staticmethod
+    def _schema_embeddings(batch, hidden) -> list[list[list]]:
+        """Each row's schema embeddings as GLiNER2's ``_extract_embeddings_fast`` lays them out
+        (a view of ``hidden`` per special position), without its per-row word gathers."""
+        return [
+            [[hidden[row, position] for position in positions] for positions in batch.schema_special_indices[row][:n]]
+            for row, n in enumerate(batch.schema_counts)
+        ]
 
     # ------------------------------------------------------------------ post
     def decode(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[dict]:

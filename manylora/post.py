@@ -47,6 +47,7 @@ __all__ = [
     "CompactRow",
     "PostDecoder",
     "compact_batch",
+    "compact_dense",
     "dtype_floor",
     "format_result",
     "head_outputs",
@@ -377,6 +378,102 @@ def compact_batch(
                 dtype=row_dtype,
             )
         )
+    return rows
+
+
+def compact_dense(
+    logits: Optional[torch.Tensor],
+    plan: dict,
+    cls_probs: Sequence[Sequence[Optional[torch.Tensor]]],
+    t_min_per_row: Sequence[float],
+    skipped: Sequence[Sequence[bool]],
+    num_tasks: Sequence[int],
+) -> list[CompactRow]:
+    """:func:`compact_batch`'s rows (equal, field for field) from ``HeadLoras.span_logits_dense``'s
+    padded logits, with a fixed number of tensor operations per batch instead of a few per row:
+    one sigmoid, one mask (each row against its own threshold, only where the row has queries
+    and words), one ``nonzero``, one ``.cpu()``. For rows whose tasks need no raw logits
+    (attribute groups take :func:`compact_batch`)."""
+    n_rows = len(t_min_per_row)
+    pred_counts = plan["pred_counts"]
+    counts = [np.zeros(num_tasks[r], dtype=np.int32) for r in range(n_rows)]
+    cls_sizes = [np.zeros(num_tasks[r], dtype=np.int32) for r in range(n_rows)]
+    grids = [np.zeros(2, dtype=np.int32) for _ in range(n_rows)]
+    cls_parts = []
+    dtype = logits.dtype if logits is not None else None
+    for r in range(n_rows):
+        for t in range(num_tasks[r]):
+            if skipped[r][t]:
+                counts[r][t] = SKIPPED
+                continue
+            probs = _at(cls_probs[r], t)
+            if probs is not None:
+                cls_sizes[r][t] = probs.numel()
+                cls_parts.append(probs.reshape(-1).to(torch.float64))
+                dtype = probs.dtype if dtype is None else dtype
+    pack, n_hits = [], 0
+    active = plan["rows"]
+    if logits is not None:
+        device = logits.device
+        width = logits.shape[-1]
+        for row, words, tasks in active:
+            grids[row][:] = (words, width)
+            for task, _, _, _ in tasks:
+                counts[row][task] = pred_counts[row][task]
+        scores = torch.sigmoid(logits)
+        queries = torch.tensor([sum(i * f for _, _, i, f in tasks) for _, _, tasks in active], device=device)
+        lengths = torch.tensor([words for _, words, _ in active], device=device)
+        floors = torch.tensor(
+            [dtype_floor(float(t_min_per_row[row]), scores.dtype) for row, _, _ in active], dtype=torch.float64
+        ).to(scores.dtype)
+        q_axis = torch.arange(scores.shape[1], device=device).view(1, -1, 1, 1)
+        l_axis = torch.arange(scores.shape[2], device=device).view(1, 1, -1, 1)
+        mask = (
+            (scores >= floors.to(device).view(-1, 1, 1, 1))
+            & (q_axis < queries.view(-1, 1, 1, 1))
+            & (l_axis < lengths.view(-1, 1, 1, 1))
+        )
+        index = mask.nonzero()  # [N, 4] (active row, query, start, width), row-major
+        n_hits = index.shape[0]
+        pack += [index.to(torch.float64).reshape(-1), scores[mask].to(torch.float64)]
+    pack += cls_parts
+    host = torch.cat(pack).cpu().numpy() if pack else np.zeros(0)
+    index = host[: 4 * n_hits].reshape(n_hits, 4).astype(np.int64)
+    hit_scores = host[4 * n_hits : 5 * n_hits].astype(np.float32)
+    cls_flat = host[5 * n_hits :].astype(np.float32)
+
+    hits_per_row: dict[int, np.ndarray] = {}
+    scores_per_row: dict[int, np.ndarray] = {}
+    if n_hits:
+        bounds = np.searchsorted(index[:, 0], np.arange(len(active) + 1))
+        for a, (row, _, tasks) in enumerate(active):
+            lo, hi = int(bounds[a]), int(bounds[a + 1])
+            table = np.array(
+                [(task, i, f) for task, _, instances, fields in tasks for i in range(instances) for f in range(fields)],
+                dtype=np.int32,
+            )
+            part = index[lo:hi]
+            hits = np.empty((hi - lo, 5), dtype=np.int32)
+            hits[:, :3] = table[part[:, 1]]
+            hits[:, 3:] = part[:, 2:]
+            hits_per_row[row], scores_per_row[row] = hits, hit_scores[lo:hi]
+    rows, offset = [], 0
+    empty_hits, empty_scores = np.zeros((0, 5), dtype=np.int32), np.zeros(0, dtype=np.float32)
+    for r in range(n_rows):
+        size = int(cls_sizes[r].sum())
+        rows.append(
+            CompactRow(
+                counts=counts[r],
+                cls_sizes=cls_sizes[r],
+                cls_probs=cls_flat[offset : offset + size],
+                hits=hits_per_row.get(r, empty_hits),
+                scores=scores_per_row.get(r, empty_scores),
+                hit_logits=np.zeros((0, 0), dtype=np.float32),
+                grid=grids[r],
+                dtype=dtype if dtype is not None else torch.float32,
+            )
+        )
+        offset += size
     return rows
 
 

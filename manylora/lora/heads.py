@@ -187,6 +187,122 @@ class HeadLoras:
             raw_logits[row][task] = task_logits.reshape(count_dim, field_dim, *task_logits.shape[-2:])
         return raw_logits, pred_counts
 
+    def span_logits_dense(self, batch, hidden: torch.Tensor):
+        """``span_logits`` for a whole batch without a tensor operation per row.
+
+        ``hidden``: the [B, L, H] token states GLiNER2's heads read (``encode_padded``). Gathers
+        every row's word states, prompt and field embeddings with one index operation each,
+        runs the count head, the batched count embedding and one ``score_queries`` on the
+        padded tokens and queries of the rows that have queries: the tensors GLiNER2's
+        ``compute_span_scores_batched`` builds, so the logits are the same values. Returns
+        ``(logits [A, Q, Lw, W] or None, plan)``; ``plan`` holds, per active row, its batch row,
+        word count and ``(task, first query, count, fields)`` of each span task with logits,
+        and ``pred_counts[row][task]`` for every row.
+
+        Measured (H200, perf/profile_core.py): the per-row gathers, stacks, concatenations and
+        padding copies of the list path were about half of the GPU stage's host time per row.
+        """
+        model = self.model
+        rows = len(batch)
+        slots = self.row_slots if self.row_slots is not None else [-1] * rows
+        device = hidden.device
+        pred_counts = [[0] * len(batch.task_types[i]) for i in range(rows)]
+        words = batch.text_word_counts
+        records = []  # (row, task, positions of prompt + fields)
+        for row in range(rows):
+            if words[row] == 0:
+                continue
+            specials = batch.schema_special_indices[row]
+            for task, task_type in enumerate(batch.task_types[row]):
+                if task_type == "classifications" or task >= batch.schema_counts[row]:
+                    continue
+                positions = specials[task]
+                tokens = batch.schema_tokens_list[row][task]
+                if not positions or len(tokens) < 4:
+                    continue
+                if not any(tokens[j] in SPAN_TASK_MARKERS for j in range(len(tokens) - 1)):
+                    continue
+                records.append((row, task, positions))
+        plan = {"pred_counts": pred_counts, "rows": []}
+        if not records:
+            return None, plan
+        prompt_rows = torch.tensor([r for r, _, _ in records], device=device)
+        prompt_pos = torch.tensor([p[0] for _, _, p in records], device=device)
+        with self._set(("count_pred",), rows=[slots[r] for r, _, _ in records]):
+            counts = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1).tolist()
+        counted = []
+        for (row, task, positions), count in zip(records, counts):
+            pred_counts[row][task] = int(count)
+            if count > 0 and len(positions) > 1:
+                counted.append((row, task, positions, int(count)))
+        if not counted:
+            return None, plan
+        field_rows = [row for row, _, positions, _ in counted for _ in positions[1:]]
+        field_pos = [pos for _, _, positions, _ in counted for pos in positions[1:]]
+        initial = hidden[torch.tensor(field_rows, device=device), torch.tensor(field_pos, device=device)]
+        projected, steps = self._count_embed_flat(counted, initial, slots)  # [longest, sum M, H]
+        longest, total_fields = projected.shape[0], projected.shape[1]
+        # queries of each row in GLiNER2's order: its span tasks in task order, each as
+        # [instances, fields] flattened (entities keep instance 0 only)
+        by_row: dict[int, list] = {}
+        source, offset = [], 0
+        for (row, task, positions, _), count in zip(counted, steps):
+            fields = len(positions) - 1
+            instances = 1 if batch.task_types[row][task] == "entities" else count
+            by_row.setdefault(row, []).append((task, instances, fields, offset))
+            offset += fields
+        active = sorted(by_row)
+        width_q = 0
+        dest = []
+        for a, row in enumerate(active):
+            q = 0
+            tasks = []
+            for task, instances, fields, field_offset in by_row[row]:
+                tasks.append((task, q, instances, fields))
+                for i in range(instances):
+                    source.extend(i * total_fields + field_offset + f for f in range(fields))
+                q += instances * fields
+            dest.append((a, q))
+            width_q = max(width_q, q)
+            plan["rows"].append((row, words[row], tasks))
+        flat_dest = [a * width_q + k for a, q in dest for k in range(q)]
+        hidden_size = hidden.shape[-1]
+        queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
+        queries[torch.tensor(flat_dest, device=device)] = projected.reshape(longest * total_fields, hidden_size)[
+            torch.tensor(source, device=device)
+        ]
+        queries = queries.reshape(len(active), width_q, hidden_size)
+        active_t = torch.tensor(active, device=device)
+        lengths = [words[row] for row in active]
+        max_words = max(lengths)
+        word_index = batch.text_word_indices[:, :max_words].to(device)[active_t]
+        word_mask = batch.text_word_mask[:, :max_words].to(device)[active_t]
+        tokens = hidden[active_t.unsqueeze(1), word_index]
+        tokens = torch.where(word_mask.unsqueeze(-1), tokens, torch.zeros((), dtype=tokens.dtype, device=device))
+        with self._set(("span_rep",), rows=[slots[row] for row in active]):
+            logits = model._compute_span_scores_core(
+                tokens, queries, torch.tensor(lengths, device=device), mask_invalid=True
+            )
+        return logits, plan
+
+    def _count_embed_flat(self, counted, initial: torch.Tensor, slots) -> tuple[torch.Tensor, list[int]]:
+        """``_count_embed`` on already-gathered field embeddings ``initial`` [sum M, H] (the
+        tasks' fields in order): the [longest, sum M, H] projections and each task's steps."""
+        from gliner2.layers import CountLSTM
+
+        embed = self.model.count_embed
+        if type(embed) is not CountLSTM:
+            raise NotImplementedError("dense heads need GLiNER2's CountLSTM")
+        steps = [min(count, embed.max_count) for _, _, _, count in counted]
+        longest = max(steps)
+        positions = embed.pos_embedding(torch.arange(longest, device=initial.device))
+        states = embed.gru(positions.unsqueeze(1).expand(longest, initial.shape[0], initial.shape[1]), initial)
+        joined = torch.cat([states, initial.unsqueeze(0).expand_as(states)], dim=-1).transpose(0, 1)
+        field_slots = [slots[row] for row, _, positions_, _ in counted for _ in positions_[1:]]
+        with self._set(("count_embed",), rows=field_slots):
+            projected = embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
+        return projected, steps
+
     def classification_probabilities(self, batch, all_schema_embs) -> list[list[Optional[torch.Tensor]]]:
         """Each (row, classification task)'s class probabilities, each row with its own head LoRA
         (None where GLiNER2 computes none). Same computation as GLiNER2's
