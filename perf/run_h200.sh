@@ -57,5 +57,5 @@ timeout "$SERVER_TIMEOUT" python3 perf/bench_server.py --checkpoint "$MODELS/dem
   --instances ${INSTANCES:-4} ${GPUS:+--gpus $GPUS} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" --cpu-threads ${CPU_THREADS:-auto} \
   --modes ${SERVER_MODES:-base lora} --distributions ${SERVER_DISTRIBUTIONS:-uniform zipf} \
   --concurrency ${CONCURRENCY:-256 512 1024} --open-fractions ${OPEN_FRACTIONS-0.35 0.7} $([ "${LIGHT:-1}" = 0 ] || echo --light-load) \
-  --requests 1024 --interval-ms ${INTERVAL_MS:-4000} --max-trials 3 --warmup-ms 1000 \
+  --requests 1024 --interval-ms ${INTERVAL_MS:-4000} --max-trials 3 --warmup-ms ${WARMUP_MS:-4000} \
   --time-budget-s $(( SERVER_TIMEOUT - 30 )) --out "$OUT/server.jsonl" 2>&1 | tee -a "$OUT/server.txt"
