@@ -26,6 +26,7 @@ else is refused at load with the option that is not supported.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Optional
@@ -35,6 +36,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from manylora import kernels
+
+# On CUDA, attention runs without cuDNN's SDPA backend: it builds an execution graph for every
+# new (rows, length) shape, and the GPU stage's batches vary in both. Measured on the H200
+# (perf/profile_core.py, server profile): 2.4 ms of host time per attention call, the largest
+# single cost of the GPU stage. MANYLORA_SDPA_CUDNN=1 gives torch its own choice back (A/B).
+_SDPA_CUDNN = os.environ.get("MANYLORA_SDPA_CUDNN", "") == "1"
+
+
+def _attention_backends(device: torch.device):
+    from contextlib import nullcontext
+
+    if device.type != "cuda" or _SDPA_CUDNN:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
 
 if TYPE_CHECKING:  # pragma: no cover
     from manylora.lora.batch import LoraBatch, PositionLora
@@ -337,8 +355,9 @@ class Encoder(nn.Module):
         backend = self.backend or kernels.default_backend(input_ids.device)
         if lora is not None:  # every layer's position factors at once
             lora.prepare_positions(self.position_modules, window)
-        for i, layer in enumerate(self.layers):
-            pos_q = self.pos_q[i, lo : hi + 1]
-            pos_k = self.pos_k[i, lo : hi + 1]
-            x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend)
+        with _attention_backends(input_ids.device):
+            for i, layer in enumerate(self.layers):
+                pos_q = self.pos_q[i, lo : hi + 1]
+                pos_k = self.pos_k[i, lo : hi + 1]
+                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend)
         return x
