@@ -62,7 +62,7 @@ class Preprocessor:
 
         try:
             data = json.loads(schema_json)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: also integers over Python's digit limit
             raise RequestError(INVALID_ARG, f"SCHEMA is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise RequestError(INVALID_ARG, f"SCHEMA must be a JSON object, got {type(data).__name__}")

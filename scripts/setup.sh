@@ -19,6 +19,24 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 export TORCH_VERSION=2.13.0
 
+# System libraries the tools need: libb64 (perf_analyzer from the tritonclient wheel) and
+# libpython3.X (the Python backend stub links it; manylora.tritonserver points the stub at the
+# venv interpreter's own copy when it has one, the system's copy is the fallback). Installed
+# with apt-get where missing and we may (root); otherwise the message says what to install.
+py_version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+missing=()
+ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d' || missing+=(libb64-0d)
+ldconfig -p 2>/dev/null | grep -q "libpython$py_version\.so\.1" || missing+=("libpython$py_version")
+if ((${#missing[@]})); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing system libraries: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: missing system libraries ${missing[*]}: install them (e.g. sudo apt-get install ${missing[*]})" >&2
+  fi
+fi
+
 if nvidia-smi >/dev/null 2>&1; then torch_flavour=cuda; else torch_flavour=cpu; fi
 stamp="$VENV/.manylora-setup"
 want="$(cat pyproject.toml scripts/setup.sh scripts/install.sh | sha256sum | cut -d' ' -f1) $torch_flavour"

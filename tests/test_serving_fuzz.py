@@ -252,3 +252,14 @@ def test_execute_isolates_a_request_the_engine_raises_on():
         else:
             assert response.error is None and protocol.parse_result(response.output_tensors[0].array) == {"text": text}
     assert RaisingEngine.calls <= 1 + 2 * 3, "halving, not one by one"
+
+
+def test_request_error_messages_are_capped():
+    """A 60 KB message (an unknown schema key echoed back) once came back over gRPC as
+    RESOURCE_EXHAUSTED instead of its own code: every RequestError message is capped."""
+    from manylora.errors import MAX_MESSAGE_CHARS, RequestError
+
+    exc = RequestError("INVALID_ARG", "SCHEMA is not a valid GLiNER2 schema: " + "k" * 60_000)
+    assert len(exc.message) <= MAX_MESSAGE_CHARS and exc.message.startswith("SCHEMA is not a valid")
+    assert "60038 characters in all" in exc.message
+    assert RequestError("INVALID_ARG", "short").message == "short"

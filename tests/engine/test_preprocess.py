@@ -185,3 +185,16 @@ def test_words_without_subwords_keep_their_slots(reference_model, monkeypatch):
     part = builder.schema_part(schema)
     for text in ("a \x00 b.", "\x00 xyzzyqqqkw.", "one \x00 two \x00\x00 three"):
         assert _fields(builder.record(text, part)) == _fields(processor.transform_record(text, schema)), repr(text)
+
+
+def test_schema_with_a_huge_integer_is_invalid_arg_not_internal(tiny_engine):
+    """json.loads raises a plain ValueError for integers over Python's 4,300-digit limit:
+    the request is refused as bad input, not failed as INTERNAL."""
+    import pytest
+
+    from manylora.engine import Request, RequestError
+
+    schema = '{"entities": ["person"], "x": ' + "9" * 5000 + "}"
+    with pytest.raises(RequestError) as info:
+        tiny_engine.prepare(0, Request("Tim Cook runs Apple.", schema))
+    assert info.value.code == "INVALID_ARG" and "not valid JSON" in info.value.message
