@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     texts = demo_texts(args.rows, seed=5, min_words=60, max_words=120)
     adapters = pick_adapters(names, args.rows, "uniform", 0) if names else [""] * args.rows
     prepared = [engine.pre.prepare(i, Request(t, schema, adapter=a)) for i, (t, a) in enumerate(zip(texts, adapters))]
-    items = [(p.record.input_ids, p.record.text_word_first_positions, schema, p.request.adapter, p.t_min) for p in prepared]
+    items = [
+        (p.record.input_ids, p.record.text_word_first_positions, schema, p.request.adapter, p.t_min) for p in prepared
+    ]
 
     def sync():
         if device.startswith("cuda"):

@@ -2,6 +2,7 @@
 
 import torch
 
+
 def test_encode_padded_equals_gliner2_padding(reference_model):
     from types import SimpleNamespace
 
