@@ -50,9 +50,11 @@ check: setup ## ruff format --check, ruff check, then the tests
 	$(VENV)/bin/ruff check .
 	@$(MAKE) --no-print-directory test
 
-bench: setup ## CPU smoke run of the engine benchmark (tiny model, a few minutes at most)
+bench: setup ## CPU smoke run of the engine benchmark (tiny model, a few minutes at most), its chart and table
 	mkdir -p perf/results
+	rm -f perf/results/engine-smoke.jsonl
 	$(PY) perf/bench_engine.py --smoke --out perf/results/engine-smoke.jsonl
+	$(PY) perf/plot.py perf/results/engine-smoke.jsonl --png perf/results/engine-smoke.png --md perf/results/engine-smoke.md
 
 bench-gpu: ## the H200 run (engine + server); on a GPU host after `source .gpu-bundle/activate.sh`
 	bash perf/run_h200.sh

@@ -10,6 +10,7 @@ must not pull in tritonclient or gliner2 through this package.
 
 _EXPORTS = {
     "ManyLoRAClient": "client",
+    "AsyncManyLoRAClient": "aio",
     "ManyLoRAError": "errors",
     "SchemaError": "errors",
     "Request": "protocol",

@@ -57,7 +57,8 @@ from manylora.lora.adapter import (
 )
 
 logger = logging.getLogger(__name__)
-REFUSALS_KEPT = 4096  # refused adapter folders remembered (until their files change)
+REFUSALS_KEPT = 4096  # refused adapter folders remembered (until their files change), least recent out first
+REFUSALS_BYTES = 4 << 20  # ... and at most this much of their ids, paths and messages
 
 LOAD_WORKERS = 2  # background disk -> host loader threads per store
 
@@ -189,8 +190,10 @@ class AdapterStore:
         self._pin_warned = False
         self._executor = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="manylora-adapter-load")
         weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
-        # adapter id -> (folder, fingerprint, refusal): a refused folder is not read again until it changes
-        self._refused: OrderedDict[str, tuple[Path, tuple, AdapterError]] = OrderedDict()
+        # adapter id -> (folder, fingerprint, code, message): a refused folder is not read again until it
+        # changes. Only strings are kept, never the exception (its traceback holds the file's bytes)
+        self._refused: OrderedDict[str, tuple[Path, tuple, str, str]] = OrderedDict()
+        self._refused_bytes = 0
         self.loads = {"disk": 0, "gpu": 0}
         # for metrics: ("hit" | "miss" | "evict", "host" | "gpu") -> count, and load latencies (s)
         self.events: Counter = Counter()
@@ -309,7 +312,25 @@ class AdapterStore:
             if entry is None or fingerprint is None or entry[:2] != (folder, fingerprint):
                 return None
             self._refused.move_to_end(adapter_id)
-            return AdapterError(entry[2].code, entry[2].message)
+            return AdapterError(entry[2], entry[3])
+
+    @staticmethod
+    def _refusal_size(adapter_id: str, entry: tuple) -> int:
+        return len(adapter_id) + 2 * len(str(entry[0])) + len(entry[3]) + 512  # strings, Path, tuples, entry
+
+    def _remember_refusal(self, adapter_id: str, entry: tuple) -> None:
+        """Under the lock: keep a refusal, within REFUSALS_KEPT entries and REFUSALS_BYTES."""
+        self._forget_refusal(adapter_id)
+        self._refused[adapter_id] = entry
+        self._refused_bytes += self._refusal_size(adapter_id, entry)
+        while len(self._refused) > REFUSALS_KEPT or self._refused_bytes > REFUSALS_BYTES:
+            old_id, old = self._refused.popitem(last=False)
+            self._refused_bytes -= self._refusal_size(old_id, old)
+
+    def _forget_refusal(self, adapter_id: str) -> None:
+        old = self._refused.pop(adapter_id, None)
+        if old is not None:
+            self._refused_bytes -= self._refusal_size(adapter_id, old)
 
     def _fresh(self, adapter_id: str, folder: Path, fingerprint) -> Optional[LoraAdapter]:
         cached = self._host.get(adapter_id)
@@ -341,16 +362,16 @@ class AdapterStore:
         """Read, check and convert one adapter, then publish it (host tier and future)."""
         started = time.perf_counter()
         try:
-            adapter = self._to_host(load_adapter(adapter_id, folder, self.shapes, self.max_rank))
+            adapter = self._to_host(load_adapter(adapter_id, folder, self.shapes, self.max_rank, self.root))
         except BaseException as exc:
+            if isinstance(exc, AdapterError):
+                # a fresh error, without the traceback of the load (whose frames hold the file's bytes)
+                exc = AdapterError(exc.code, exc.message)
             with self._lock:
                 if self._loading.get(adapter_id) is future:
                     del self._loading[adapter_id]
                 if isinstance(exc, AdapterError) and exc.code == "INVALID_ARG" and future.fingerprint is not None:
-                    self._refused[adapter_id] = (folder, future.fingerprint, exc)
-                    self._refused.move_to_end(adapter_id)
-                    while len(self._refused) > REFUSALS_KEPT:
-                        self._refused.popitem(last=False)
+                    self._remember_refusal(adapter_id, (folder, future.fingerprint, exc.code, exc.message))
             if not isinstance(exc, AdapterError):
                 logger.exception("loading adapter %r failed", adapter_id)
             future.set_exception(exc)
@@ -360,7 +381,7 @@ class AdapterStore:
         with self._lock:
             self.load_seconds["disk_to_host"].append(time.perf_counter() - started)
             self.loads["disk"] += 1
-            self._refused.pop(adapter_id, None)
+            self._forget_refusal(adapter_id)
             if self._loading.get(adapter_id) is future:  # not evicted or superseded meanwhile
                 del self._loading[adapter_id]
                 self._host[adapter_id] = adapter

@@ -69,16 +69,15 @@ def test_every_replacement_changes_the_fingerprint(tmp_path):
 
 def test_a_file_changed_while_it_is_read_is_unavailable_not_wrong(tmp_path, monkeypatch):
     folder = _write(tmp_path / "x")
-    real_open = open
+    real_read = adapter_module._read_fd
 
-    def open_then_touch(path, mode="r", *args, **kwargs):
-        handle = real_open(path, mode, *args, **kwargs)
-        if str(path).endswith(".safetensors"):
-            with real_open(path, "ab") as f:  # a writer appends while we read
+    def touch_then_read(fd, size):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):  # the weights, checked and about to be read
+            with open(folder / "adapter_model.safetensors", "ab") as f:  # a writer appends while we read
                 f.write(b"\0")
-        return handle
+        return real_read(fd, size)
 
-    monkeypatch.setattr(adapter_module, "open", open_then_touch, raising=False)
+    monkeypatch.setattr(adapter_module, "_read_fd", touch_then_read)
     with pytest.raises(AdapterError, match="changed while it was read") as info:
         load_adapter("x", folder, SHAPES, 4)
     assert info.value.code == "UNAVAILABLE"
