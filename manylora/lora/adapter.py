@@ -3,7 +3,9 @@
 An adapter folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` as
 ``PeftModel.save_pretrained`` writes them. Targets are read from the tensor keys
 (``base_model.model.<module path>.lora_A.weight`` / ``lora_B.weight``): the config's
-``target_modules`` may be shortened to suffixes. The scale of each module follows PEFT:
+``target_modules`` may be shortened to suffixes. Of those, only the modules PEFT would apply from the
+config (``target_modules``, ``layers_to_transform`` / ``layers_pattern``, ``exclude_modules``) are
+kept; the others are listed in ``LoraAdapter.ignored``. The scale of each module follows PEFT:
 ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), with ``rank_pattern`` / ``alpha_pattern``
 matched by PEFT's own pattern rule.
 
@@ -11,6 +13,12 @@ Nothing is ever unpickled: only safetensors is read, and a folder that holds onl
 pickled ``adapter_model.bin`` is refused. The weights file is read into memory, never
 memory-mapped: a file truncated in place while mapped (``cp`` over it) would kill the
 process with SIGBUS. Every refusal is an ``AdapterError``; nothing else escapes.
+
+Adapter folders come from untrusted tenants: files are opened relative to the folder's descriptor,
+never through a symlink and never blocking, and read from the descriptor checked to be a regular
+file; config regexes are matched with bounded cost (``_Patterns``); the safetensors header is
+bounded (size, dimensions, elements) before anything is allocated for it; messages say what is
+wrong without quoting the files, at most MAX_MESSAGE_CHARS characters.
 
 Speed: a fleet of 1,024 adapters of ~170 tensors each is read at every start-up, and one
 torch op per tensor cost ~35 ms per adapter. The safetensors header is parsed here (with
