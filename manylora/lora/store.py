@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import weakref
@@ -45,6 +46,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+import numpy as np
 import torch
 
 from manylora.lora.adapter import (
@@ -409,6 +411,7 @@ class AdapterStore:
                     "INVALID_ARG",
                     f"adapter {adapter.name!r} cannot be served: {bad} holds weights beyond the {self.dtype} range",
                 )
+        self._check_scaled_range(adapter)
         buffer = self._host_buffer(self.slot_numel)
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[buffer.element_size()]
         src, dst = source.view(bits).numpy(), buffer.view(bits).numpy()
@@ -440,6 +443,30 @@ class AdapterStore:
             weights=None,  # the file's copy is not kept in the host tier
             offsets=None,
         )
+
+    def _check_scaled_range(self, adapter) -> None:
+        """Refuse an adapter whose scale, or whose B weights times its scale, are not finite in
+        the serving dtype (a ``lora_alpha`` far above float32's range made batch-mates' answers
+        NaN through inf x 0). One whole-adapter bound first; modules only when it is exceeded."""
+        limit = float(torch.finfo(self.dtype).max)
+        scales = {name: module.scale for name, module in adapter.modules.items()}
+        for name, scale in scales.items():
+            if not math.isfinite(float(np.float32(scale))) or abs(float(np.float32(scale))) > limit:
+                raise AdapterError(
+                    "INVALID_ARG",
+                    f"adapter {adapter.name!r} cannot be served: {name} has a scale beyond float32's range",
+                )
+        low, high = torch.aminmax(adapter.weights)
+        peak = max(abs(float(low)), abs(float(high)))
+        if peak * max((abs(v) for v in scales.values()), default=0.0) <= limit:
+            return
+        for name, module in adapter.modules.items():
+            if float(module.b.abs().max()) * abs(module.scale) > limit:
+                raise AdapterError(
+                    "INVALID_ARG",
+                    f"adapter {adapter.name!r} cannot be served: {name} scaled by {module.scale:.3g} "
+                    f"exceeds the {self.dtype} range",
+                )
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
         if self.pin_memory:

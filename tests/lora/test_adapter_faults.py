@@ -177,3 +177,27 @@ def test_any_folder_content_raises_only_adapter_error(tmp_path_factory, config, 
             m.rank <= 4 and m.a.dtype in (torch.float32, torch.float16, torch.bfloat16)
             for m in adapter.modules.values()
         )
+
+
+@pytest.mark.parametrize(
+    "config,b_scale,message",
+    [
+        ({"lora_alpha": 1e300}, 1.0, "scale beyond float32's range"),  # a finite float64, inf in float32
+        ({"lora_alpha": 1e30}, 1e10, "exceeds the torch.float32 range"),  # weights x scale overflow
+    ],
+)
+def test_adapters_whose_scaled_weights_overflow_are_refused_at_load(tmp_path, config, b_scale, message):
+    """An inf scale (or B x scale beyond the serving dtype) once turned base rows of the same
+    batch into NaN through inf x 0: such adapters are refused when the store loads them."""
+    from manylora.lora.store import AdapterStore
+
+    tensors = {KEY_A: torch.randn(2, 8), KEY_B: torch.randn(8, 2) * b_scale}
+    _write(tmp_path / "hostile", config, tensors)
+    _write(tmp_path / "fine")
+    store = AdapterStore(
+        tmp_path, SHAPES, max_rank=4, gpu_slots=2, host_slots=2, device=torch.device("cpu"), dtype=torch.float32
+    )
+    with pytest.raises(AdapterError) as info:
+        store.get("hostile")
+    assert info.value.code == "INVALID_ARG" and message in info.value.message
+    assert store.get("fine").name == "fine"  # the store serves the others
