@@ -407,8 +407,10 @@ def _load_from(name, folder, dir_fd, shapes, max_rank, refuse) -> LoraAdapter:
 
     # the limit: what this model's linears at max_rank could need (a bigger file is not an adapter of it)
     data, weights_key = read(WEIGHTS_FILE, max_weights_bytes(shapes, max_rank), WEIGHTS_FILE, header=True)
-    # no LoRA factor of this model has more elements than its largest linear side at max_rank
-    largest = max_rank * max((max(i, o) for i, o in shapes.values()), default=0)
+    # no tensor of a file within that limit can hold more elements than its bytes at 2 bytes
+    # each (the narrowest float); a looser bound than the largest factor at max_rank, so that an
+    # adapter of too high a rank is still refused by name below ("has rank 64, above ...")
+    largest = max_weights_bytes(shapes, max_rank) // 2
     try:
         start, entries = _safetensors_header(data, max_elements=largest)
     except ValueError as exc:
@@ -730,7 +732,9 @@ def _safetensors_header(data: torch.Tensor, max_elements: Optional[int] = None) 
             elements *= n
             if elements > MAX_ELEMENTS or (max_elements is not None and elements > max_elements):
                 limit = MAX_ELEMENTS if max_elements is None else min(max_elements, MAX_ELEMENTS)
-                raise ValueError(f"{tensor} has more than {limit} elements, more than any LoRA factor of this model")
+                raise ValueError(
+                    f"{tensor} has more than {limit} elements, more than a file of this model's adapters holds"
+                )
         if type(span) is not list or len(span) != 2 or type(span[0]) is not int or type(span[1]) is not int:
             raise ValueError(f"{tensor} has invalid data_offsets")
         if span[1] - span[0] != elements * dtype.itemsize:
