@@ -25,7 +25,7 @@ BASE_SHAPES = {
 
 def test_readme_links_the_guides():
     readme = (REPO / "README.md").read_text()
-    for name in ("deploy.md", "tuning.md"):
+    for name in ("deploy.md", "tuning.md", "architecture.md"):
         assert f"(docs/{name})" in readme and (DOCS / name).is_file()
 
 
