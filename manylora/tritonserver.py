@@ -365,6 +365,7 @@ class TritonServer:
                 process.wait()
                 if isinstance(err, KeyboardInterrupt):
                     raise
+        _reap_group(process.pid)
         return process.returncode
 
     @property
@@ -390,6 +391,36 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(process.pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _reap_group(pgid: int) -> list[int]:
+    """Kill the Python backend stubs left in a stopped server's process group and remove the
+    shared-memory regions they named. A Python backend stub frozen in a model's code outlived
+    its server: it ran on at 100% CPU and its /dev/shm region stayed. Returns the pids killed."""
+    left, regions = [], []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        stub = any(a.endswith(STUB_NAME.encode()) for a in cmdline)  # never anything else that took the id
+        if stub and len(fields) > 2 and fields[2] == str(pgid):
+            left.append(int(proc.name))
+            regions += [
+                a.decode(errors="replace") for a in cmdline if a.startswith(b"triton_python_backend_shm_region")
+            ]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for region in regions:
+        if "/" not in region:
+            with contextlib.suppress(OSError):
+                (Path("/dev/shm") / region).unlink()
+    return left
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:

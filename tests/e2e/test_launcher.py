@@ -126,3 +126,52 @@ def test_cli_runs_in_foreground_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 os.kill(cli.pid, signal.SIGKILL)  # its server (own process group) may then outlive it
                 cli.wait()
+
+
+def test_stop_kills_a_stub_left_frozen_in_the_servers_group(tmp_path):
+    """A stub frozen in model code outlived its server (100% CPU, its /dev/shm region left
+    behind): stop() kills the stubs left in the server's process group and removes their
+    regions. Here a stand-in server exits on SIGINT and leaves a stand-in stub that ignores it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from manylora.tritonserver import STUB_NAME, TritonServer
+
+    region = f"triton_python_backend_shm_region_test_{os.getpid()}"
+    (Path("/dev/shm") / region).write_bytes(b"x")
+    stub = tmp_path / STUB_NAME
+    stub.write_text(
+        f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "while True: time.sleep(0.1)\n"
+    )
+    stub.chmod(0o755)
+    server = tmp_path / "fake-tritonserver"
+    server.write_text(
+        f"#!{sys.executable}\nimport subprocess, time\n"
+        f"subprocess.Popen([{str(stub)!r}, {region!r}])\n"
+        "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass\n"
+    )
+    server.chmod(0o755)
+    triton = TritonServer(tmp_path)
+    triton.process = subprocess.Popen([str(server)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    stubs: list = []
+    while not stubs and time.monotonic() < deadline:  # the stand-in stub is running (ours: it names our region)
+        time.sleep(0.2)
+        stubs = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, region)]
+    assert stubs, "the stand-in stub started"
+    triton.stop(timeout=10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_cmdline_has(p, region) for p in stubs):
+        time.sleep(0.1)
+    assert not any(_cmdline_has(p, region) for p in stubs), "the frozen stub was killed"
+    assert not (Path("/dev/shm") / region).exists(), "its shared-memory region was removed"
+
+
+def _cmdline_has(proc, name: str) -> bool:
+    try:
+        return any(a.endswith(name.encode()) for a in (proc / "cmdline").read_bytes().split(b"\0"))
+    except OSError:
+        return False
