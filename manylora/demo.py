@@ -24,7 +24,7 @@ no network. Nothing is downloaded:
 - Weights: every tensor is drawn from its own generator seeded by (seed, tensor name);
   two builds on one machine give byte-identical files.
 
-Calibration (DESIGN.md section 8). With random weights about half of all spans pass 0.5
+Calibration (docs/architecture.md, "Demo checkpoints"). With random weights about half of all spans pass 0.5
 and every label gets the same spans, so decoding would dominate any benchmark, and
 scores saturate at 0 or 1. The builder runs GLiNER2 once over 8 fixed demo texts with a
 calibration schema (8 entity labels, 3 relations, a 5-field structure, a classification),
@@ -273,7 +273,7 @@ def demo_schemas() -> list[dict[str, Any]]:
     Each dict is what ``gliner2.Schema.from_dict`` accepts (and what a client sends as
     SCHEMA). Pass ``Schema.from_dict(d)`` to ``GLiNER2.extract``: a raw dict given to
     ``extract`` is read as GLiNER2's internal built form, not as this vocabulary.
-    The first is the workload DESIGN.md section 8 calibrates for: five entity labels.
+    The first is the workload the calibration targets: five entity labels.
     """
     corporate_event = {
         "fields": [

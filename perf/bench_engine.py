@@ -267,7 +267,7 @@ class PeftMixedServer:
     ``LoraModel._enable_peft_forward_hooks(adapter_names=...)`` puts the names into the
     keyword arguments of every LoRA layer's forward, which checks ``len(x) == len(names)``
     and adds each adapter's update to its own rows (``Linear._mixed_batch_forward``).
-    GLiNER2 cannot take that path as it stands (DESIGN.md, traps): DeBERTa's query_proj and
+    GLiNER2 cannot take that path as it stands (docs/architecture.md, "Traps"): DeBERTa's query_proj and
     key_proj also project the shared relative-position table (a batch of one), and GLiNER2
     calls its heads on tensors whose rows are not requests. So, per batch:
 

@@ -62,7 +62,7 @@ def test_stub_imports_manylora_from_this_checkout(echo_server: TritonServer) -> 
     assert Path(info["prefix"]).resolve() == Path(sys.prefix).resolve()
     # Same patch release: the stub runs this interpreter's libpython, not the system's.
     assert info["python"] == platform.python_version()
-    assert info["numpy"].startswith("1.")  # numpy 2 breaks the 2.51 stub (DESIGN.md §8)
+    assert info["numpy"].startswith("1.")  # numpy 2 breaks the 2.51 stub (docs/architecture.md, "Traps")
     assert info["tag"] == "committed"
 
 
