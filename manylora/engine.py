@@ -166,7 +166,7 @@ class Engine:
         """Validate and tokenize one request, and look its adapter up; raises RequestError."""
         self.pre.check_text(request.text)
         adapter = self._adapter(request.adapter, found)
-        prepared = self.pre.prepare(index, request)
+        prepared = self.pre.prepare(index, request, text_checked=True)
         prepared.adapter = adapter
         return prepared
 

@@ -39,11 +39,6 @@ class Prepared:
     adapter: Any = None  # manylora.lora.adapter.LoraAdapter, looked up by the GPU stage
     t_min: float = 0.5
 
-    @property
-    def options(self) -> tuple:
-        r = self.request
-        return (r.threshold, r.include_confidence, r.include_spans)
-
 
 class Preprocessor:
     """Validation and tokenization of GLiNER2 requests for one checkpoint's processor."""
@@ -91,11 +86,13 @@ class Preprocessor:
                 f"{limit} tokens (max_request_tokens); split it into chunks",
             )
 
-    def prepare(self, index: int, request: Request) -> Prepared:
-        """Validate and tokenize one request; raises RequestError."""
+    def prepare(self, index: int, request: Request, text_checked: bool = False) -> Prepared:
+        """Validate and tokenize one request; raises RequestError. ``text_checked``: the
+        caller ran ``check_text`` already (the engine does, before its adapter lookup)."""
         from manylora.post import sparsify_threshold
 
-        self.check_text(request.text)
+        if not text_checked:
+            self.check_text(request.text)
         part, metadata = self.parse_schema(request.schema)
         try:
             record = self.records.record(request.text, part)

@@ -286,8 +286,9 @@ class HeadLoras:
         return logits, plan
 
     def _count_embed_flat(self, counted, initial: torch.Tensor, slots) -> tuple[torch.Tensor, list[int]]:
-        """``_count_embed`` on already-gathered field embeddings ``initial`` [sum M, H] (the
-        tasks' fields in order): the [longest, sum M, H] projections and each task's steps."""
+        """GLiNER2's CountLSTM for every task of ``counted`` at once, on their gathered field
+        embeddings ``initial`` [sum M, H] (tasks in order; each task's third item holds its
+        prompt then its fields): the [longest, sum M, H] projections and each task's steps."""
         from gliner2.layers import CountLSTM
 
         embed = self.model.count_embed
@@ -298,7 +299,7 @@ class HeadLoras:
         positions = embed.pos_embedding(torch.arange(longest, device=initial.device))
         states = embed.gru(positions.unsqueeze(1).expand(longest, initial.shape[0], initial.shape[1]), initial)
         joined = torch.cat([states, initial.unsqueeze(0).expand_as(states)], dim=-1).transpose(0, 1)
-        field_slots = [slots[row] for row, _, positions_, _ in counted for _ in positions_[1:]]
+        field_slots = [slots[row] for row, _, fields, _ in counted for _ in range(len(fields) - 1)]
         with self._set(("count_embed",), rows=field_slots):
             projected = embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
         return projected, steps
@@ -349,15 +350,7 @@ class HeadLoras:
                     out.append(embed(embeddings[1:], count))
             return out
         fields = [embeddings[1:] for _, _, embeddings, _ in counted]
-        steps = [min(count, embed.max_count) for _, _, _, count in counted]
-        initial = torch.cat(fields)  # [sum M, H]
-        longest = max(steps)
-        positions = embed.pos_embedding(torch.arange(longest, device=initial.device))
-        states = embed.gru(positions.unsqueeze(1).expand(longest, initial.shape[0], initial.shape[1]), initial)
-        joined = torch.cat([states, initial.unsqueeze(0).expand_as(states)], dim=-1).transpose(0, 1)
-        field_slots = [slots[row] for (row, _, _, _), f in zip(counted, fields) for _ in range(f.shape[0])]
-        with self._set(("count_embed",), rows=field_slots):
-            projected = embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
+        projected, steps = self._count_embed_flat(counted, torch.cat(fields), slots)  # [longest, sum M, H]
         out, start = [], 0
         for f, count in zip(fields, steps):
             out.append(projected[:count, start : start + f.shape[0]])
