@@ -367,7 +367,9 @@ class CoreModelHandler(TritonModelHandler):
                     groups.append(exc)
                 except Exception as exc:
                     groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
-            answers = self._run_core(items)
+            rows = [item for item in items if not isinstance(item, RequestError)]
+            done = iter(self._run_core(rows))
+            answers = [item if isinstance(item, RequestError) else next(done) for item in items]
             try:
                 self.metrics.publish(self.engine)
             except Exception:
@@ -381,8 +383,9 @@ class CoreModelHandler(TritonModelHandler):
                     responses.append(self._core_response(answers[first : first + rows]))
             return responses
 
-    def _items(self, request) -> list[tuple]:
-        """The rows of one front request, each (ids, word positions, schema, adapter, t_min)."""
+    def _items(self, request) -> list:
+        """The rows of one front request, each (ids, word positions, schema, adapter, t_min), or
+        the RequestError of that row alone; raises RequestError for a malformed request."""
         pb = self.pb_utils
         arrays = {name: _as_numpy(pb, request, name) for name in wire.CORE_INPUTS}
         missing = [name for name, a in arrays.items() if a is None]
@@ -396,8 +399,8 @@ class CoreModelHandler(TritonModelHandler):
             )
         tokens, words = flat["ROW_TOKENS"].astype(np.int64), flat["ROW_WORDS"].astype(np.int64)
         limit = self.engine.config.max_request_tokens
-        if rows == 0 or tokens.min() < 1 or tokens.max() > limit or words.min() < 0:
-            raise RequestError(INVALID_ARG, f"every row needs 1-{limit} tokens")
+        if rows == 0 or tokens.min() < 1 or words.min() < 0:
+            raise RequestError(INVALID_ARG, "every row needs at least one token")
         ids, positions = flat["INPUT_IDS"].astype(np.int64), flat["WORD_POS"].astype(np.int64)
         if ids.size != tokens.sum() or positions.size != words.sum():
             raise RequestError(INVALID_ARG, "INPUT_IDS and WORD_POS must hold the rows' counts")
@@ -421,6 +424,15 @@ class CoreModelHandler(TritonModelHandler):
                 texts[schema] = _text(schema, "SCHEMA")
             if adapter not in texts:
                 texts[adapter] = _text(adapter, "ADAPTER_ID")
+            if len(row_ids) > limit:  # this row alone: a front configured with a larger limit
+                items.append(
+                    RequestError(
+                        INVALID_ARG,
+                        f"text and schema are {len(row_ids)} tokens, above the GPU stage's limit of {limit} "
+                        "(max_request_tokens of gliner2_core); split the text into chunks",
+                    )
+                )
+                continue
             items.append((row_ids, row_words, texts[schema], texts[adapter], t_list[row]))
         falls = np.diff(positions) <= 0  # allowed only where a new row starts
         starts = np.asarray(word_ends[:-1], dtype=np.int64) - 1

@@ -263,3 +263,46 @@ def test_request_error_messages_are_capped():
     assert len(exc.message) <= MAX_MESSAGE_CHARS and exc.message.startswith("SCHEMA is not a valid")
     assert "60038 characters in all" in exc.message
     assert RequestError("INVALID_ARG", "short").message == "short"
+
+
+def test_gpu_stage_fails_an_over_limit_row_alone_and_answers_the_others(tiny_checkpoint):
+    """gliner2_core (CoreModelHandler) gets a front's rows in one request. A row above its own
+    max_request_tokens (a front configured with a larger limit) gets INVALID_ARG alone; the
+    other rows' compact answers decode to what the in-process engine answers."""
+    from manylora import wire
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine, Request
+    from manylora.post import CompactRow
+    from manylora.serving import CoreModelHandler
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "max_request_tokens": "64"}))
+    core = CoreModelHandler.__new__(CoreModelHandler)
+    core.pb_utils, core.engine, core.metrics = FakePbUtils, engine, NoMetrics()
+    core.profiler, core.vocab = ExecuteProfiler(None, ""), len(engine.processor.tokenizer)
+    schema = json.dumps({"entities": ["person", "company"]})
+    texts = ["Tim Cook runs Apple.", "word " * 200, "Ada Lovelace met Charles Babbage."]
+    engine.pre.max_request_tokens = 4096  # the front's larger limit
+    prepared = [engine.pre.prepare(i, Request(t, schema)) for i, t in enumerate(texts)]
+    engine.pre.max_request_tokens = 64
+    records = [p.record for p in prepared]
+    request = {
+        "INPUT_IDS": np.array([[t for r in records for t in r.input_ids]], dtype=np.int32),
+        "ROW_TOKENS": np.array([[len(r.input_ids) for r in records]], dtype=np.int32),
+        "WORD_POS": np.array([[w for r in records for w in r.text_word_first_positions]], dtype=np.int32),
+        "ROW_WORDS": np.array([[len(r.text_word_first_positions) for r in records]], dtype=np.int32),
+        "SCHEMA": np.array([[schema.encode()] * 3], dtype=object),
+        "ADAPTER_ID": np.array([[b""] * 3], dtype=object),
+        "T_MIN": np.array([[p.t_min for p in prepared]], dtype=np.float32),
+    }
+    (response,) = core.execute([request])
+    assert response.error is None
+    statuses = [s.decode() for s in response.output_tensors[0].array.reshape(-1)]
+    assert statuses[0] == statuses[2] == "" and statuses[1].startswith("INVALID_ARG\t")
+    assert "above the GPU stage's limit of 64" in statuses[1]
+    rows = wire.unpack_rows(response.output_tensors[1].array.reshape(-1)[0])
+    assert rows[1] is None
+    expected = engine.run([Request(texts[0], schema), Request(texts[2], schema)])
+    for index, want in zip((0, 2), expected):
+        row = CompactRow.from_arrays(rows[index])
+        got = engine.post.decode(row, prepared[index].record, prepared[index].metadata, 0.5)
+        assert got == want
