@@ -78,6 +78,13 @@ def _model_name(key: str, raw: str) -> str:
     return name
 
 
+def _on_off(key: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("on", "off"):
+        raise ConfigError(f"parameter {key!r}: expected 'on' or 'off', got {raw!r}")
+    return value == "on"
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -101,6 +108,7 @@ class EngineConfig:
     control_dir: str = "auto"
     cpu_threads: int = 0  # 0 = auto
     core_model: str = ""  # "" = this instance runs pre, GPU stage and post itself
+    core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -147,6 +155,12 @@ class EngineConfig:
             False,
             "the GPU-stage model this CPU front sends its batches to (BLS), e.g. gliner2_core; "
             "'none' (default) = this instance runs every stage itself",
+        ),
+        "core_overlap": (
+            _on_off,
+            False,
+            "GPU stage (decoupled): 'on' (default) parses the next batches and answers the last ones on "
+            "their own threads while one runs on the GPU; 'off' runs each batch in turn (for A/B runs)",
         ),
     }
 

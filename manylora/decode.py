@@ -1,6 +1,7 @@
 """Encoder states -> the token states GLiNER2's heads read.
 
-``encode_padded``: GLiNER2's ``encode_tokens`` takes per-row states and pads them again (a
+``device_tensor`` / ``host_to_device`` / ``batch_to_device``: host data to the GPU without a
+stream sync each. ``encode_padded``: GLiNER2's ``encode_tokens`` takes per-row states and pads them again (a
 copy per row); the engine already has them padded, so this masks the padding in one
 operation (GLiNER2 zero-fills it; the values read downstream are the same). Decoding itself
 is ``manylora.post``'s.
@@ -20,3 +21,31 @@ def encode_padded(batch, hidden_states: torch.Tensor) -> torch.Tensor:
     mask = batch.attention_mask
     hidden = hidden_states[:, : mask.shape[1]]
     return hidden * mask.unsqueeze(-1).to(hidden.dtype)
+
+
+def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without a stream sync: through pinned memory
+    and an asynchronous copy on CUDA (a plain ``torch.tensor(..., device=cuda)`` waits for the
+    GPU to drain the stream, serialising the host with the kernels already queued)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a stream sync (see ``device_tensor``): PyTorch's
+    caching host allocator keeps the pinned copy until the transfer is done."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def batch_to_device(batch, device: torch.device):
+    """GLiNER2's ``PreprocessedBatch.to(device)`` (its tensors are all integer or boolean)
+    without its stream sync per tensor."""
+    import dataclasses
+
+    moved = {
+        f.name: host_to_device(value, device)
+        for f in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(batch, **moved)

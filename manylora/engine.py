@@ -30,7 +30,7 @@ import torch
 
 from manylora.client.protocol import Request  # the wire contract's validated request
 from manylora.config import EngineConfig
-from manylora.decode import encode_padded
+from manylora.decode import batch_to_device, encode_padded
 from manylora.encoder import Encoder
 from manylora.errors import INTERNAL, INVALID_ARG, NOT_FOUND, UNAVAILABLE, RequestError
 from manylora.kernels import SgmvMetaBuilder
@@ -224,7 +224,7 @@ class Engine:
         chunk.sort(key=lambda p: slots[p.adapter.name] if p.adapter is not None else -1)
         slot_per_row = [slots[p.adapter.name] if p.adapter is not None else -1 for p in chunk]
         batch = self.records.pad_batch([p.record for p in chunk])
-        batch = batch.to(self.device, self.dtype if self.dtype != torch.float32 else None)
+        batch = batch_to_device(batch, self.device)  # integer and boolean tensors: no dtype cast
         # pad the length to a multiple of 16: fewer distinct GEMM/attention shapes, aligned tiles
         pad = -batch.input_ids.shape[1] % PAD_MULTIPLE
         input_ids = torch.nn.functional.pad(batch.input_ids, (0, pad))

@@ -44,6 +44,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from manylora.decode import device_tensor
+
 __all__ = [
     "CompactRow",
     "PostDecoder",
@@ -423,15 +425,16 @@ def compact_dense(
             for task, _, _, _ in tasks:
                 counts[row][task] = pred_counts[row][task]
         scores = torch.sigmoid(logits)
-        queries = torch.tensor([sum(i * f for _, _, i, f in tasks) for _, _, tasks in active], device=device)
-        lengths = torch.tensor([words for _, words, _ in active], device=device)
-        floors = torch.tensor(
-            [dtype_floor(float(t_min_per_row[row]), scores.dtype) for row, _, _ in active], dtype=torch.float64
-        ).to(scores.dtype)
+        # host lists -> device without a stream sync each (lora.batch.device_tensor)
+        queries = device_tensor([sum(i * f for _, _, i, f in tasks) for _, _, tasks in active], device)
+        lengths = device_tensor([words for _, words, _ in active], device)
+        floors = device_tensor(
+            [dtype_floor(float(t_min_per_row[row]), scores.dtype) for row, _, _ in active], device, torch.float64
+        ).to(scores.dtype)  # exact: each floor is a value of scores.dtype
         q_axis = torch.arange(scores.shape[1], device=device).view(1, -1, 1, 1)
         l_axis = torch.arange(scores.shape[2], device=device).view(1, 1, -1, 1)
         mask = (
-            (scores >= floors.to(device).view(-1, 1, 1, 1))
+            (scores >= floors.view(-1, 1, 1, 1))
             & (q_axis < queries.view(-1, 1, 1, 1))
             & (l_axis < lengths.view(-1, 1, 1, 1))
         )

@@ -256,8 +256,9 @@ class TritonModelHandler:
                     results[index] = RequestError(
                         INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}"
                     )
-            call = self._core_request(prepared).async_exec() if prepared else None
-        answer = await call if call is not None else None
+            # decoupled=True: the committed gliner2_core is decoupled (its answer thread sends)
+            call = self._core_request(prepared).async_exec(decoupled=True) if prepared else None
+        answer = _first_response(await call) if call is not None else None
         with self.profiler:
             for p, row in zip(prepared, self._core_rows(answer, len(prepared)) if prepared else []):
                 results[p.index] = row if isinstance(row, RequestError) else self._post(p, row)
@@ -340,7 +341,18 @@ class TritonModelHandler:
 
 class CoreModelHandler(TritonModelHandler):
     """``gliner2_core``: the GPU stage. Its rows come from the fronts' BLS calls (any client
-    can call it too: every input is checked); it holds the only adapter cache of its GPU."""
+    can call it too: every input is checked); it holds the only adapter cache of its GPU.
+
+    Decoupled (the committed config), ``execute`` only parses a batch and queues it; one GPU
+    thread runs the queued batches (those that wait are merged into one call, up to two token
+    budgets) and an answer thread packs and sends each request's response. So the next batch
+    is parsed and the last one answered while the GPU runs, in one process (one adapter cache):
+    measured in perf/README.md (core_overlap on/off). Not decoupled, or ``core_overlap: off``,
+    each batch is parsed, run and answered in turn inside ``execute``."""
+
+    decoupled = False  # class defaults: tests build handlers without __init__
+    overlap = False
+    MERGE_BUDGETS = 2  # queued batches merged into one engine call: up to this many token budgets
 
     def __init__(self, args: dict, pb_utils):
         from manylora.config import EngineConfig
@@ -353,35 +365,147 @@ class CoreModelHandler(TritonModelHandler):
         self.core_model = ""
         self._load_engine(config, args, model_config, device)
         self.vocab = len(self.engine.processor.tokenizer)
+        self.decoupled = bool((model_config.get("model_transaction_policy") or {}).get("decoupled", False))
+        if self.decoupled and config.core_overlap:
+            self.start_overlap()
         freeze_long_lived()
 
-    def execute(self, requests: list) -> list:
-        with self.profiler:
-            items, groups = [], []  # groups[i]: (first item, rows) of request i, or its RequestError
-            for request in requests:
-                try:
-                    group = self._items(request)
-                    groups.append((len(items), len(group)))
-                    items.extend(group)
-                except RequestError as exc:
-                    groups.append(exc)
-                except Exception as exc:
-                    groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
-            rows = [item for item in items if not isinstance(item, RequestError)]
-            done = iter(self._run_core(rows))
-            answers = [item if isinstance(item, RequestError) else next(done) for item in items]
+    def start_overlap(self) -> None:
+        """Start the GPU and answer threads (decoupled only; finalize stops them)."""
+        import queue
+        import threading
+
+        assert self.decoupled, "overlap answers through response senders: decoupled models only"
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._gpu_loop, name="manylora-core-gpu", daemon=True),
+            threading.Thread(target=self._answer_loop, name="manylora-core-answer", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        self.overlap = True
+
+    def execute(self, requests: list):
+        """Not decoupled: one response per request, in order. Decoupled: every request is
+        answered through its response sender (here or by the answer thread); returns None."""
+        if self.overlap:  # the GPU thread profiles (one cProfile per process: sys.monitoring)
+            job = self._parse(requests)
+        else:
+            with self.profiler:
+                job = self._parse(requests)
+        if not self.decoupled:
+            return self._responses(job, self._run_job(job))
+        senders = [request.get_response_sender() for request in requests]
+        if self.overlap:
+            self._jobs.put((senders, job))
+            return None
+        self._send(senders, self._responses(job, self._run_job(job)))
+        return None
+
+    def _parse(self, requests: list) -> tuple[list, list]:
+        """(groups, items): groups[i] is (first item, rows) of request i, or its RequestError."""
+        items, groups = [], []
+        for request in requests:
             try:
-                self.metrics.publish(self.engine)
-            except Exception:
-                logger.exception("publishing the adapter metrics failed")
-            responses = []
-            for group in groups:
-                if isinstance(group, RequestError):
-                    responses.append(self._error(group))
-                else:
-                    first, rows = group
+                group = self._items(request)
+                groups.append((len(items), len(group)))
+                items.extend(group)
+            except RequestError as exc:
+                groups.append(exc)
+            except Exception as exc:
+                groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
+        return groups, items
+
+    def _run_job(self, job: tuple[list, list]) -> list:
+        """Each item's CompactRow, or its RequestError."""
+        _, items = job
+        rows = [item for item in items if not isinstance(item, RequestError)]
+        done = iter(self._run_core(rows))
+        answers = [item if isinstance(item, RequestError) else next(done) for item in items]
+        try:
+            self.metrics.publish(self.engine)
+        except Exception:
+            logger.exception("publishing the adapter metrics failed")
+        return answers
+
+    def _responses(self, job: tuple[list, list], answers: list) -> list:
+        responses = []
+        for group in job[0]:
+            if isinstance(group, RequestError):
+                responses.append(self._error(group))
+            else:
+                first, rows = group
+                try:
                     responses.append(self._core_response(answers[first : first + rows]))
-            return responses
+                except Exception as exc:
+                    logger.exception("packing a GPU-stage answer failed")
+                    responses.append(self._error(RequestError(INTERNAL, f"packing the answer failed: {exc}")))
+        return responses
+
+    def _send(self, senders: list, responses: list) -> None:
+        final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for sender, response in zip(senders, responses):
+            try:
+                sender.send(response, flags=final)
+            except Exception:  # the client is gone (cancelled): nothing else to answer
+                logger.exception("sending a GPU-stage response failed")
+
+    def _gpu_loop(self) -> None:
+        """GPU thread: run queued jobs, merging those that wait, until finalize queues None."""
+        import queue
+
+        budget = self.MERGE_BUDGETS * self.engine.config.max_batch_tokens
+        while True:
+            first = self._jobs.get()
+            if first is None:
+                self._answers.put(None)
+                return
+            jobs, tokens = [first], _job_tokens(first[1])
+            while tokens < budget:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._jobs.put(None)  # stop after this merged call
+                    break
+                jobs.append(nxt)
+                tokens += _job_tokens(nxt[1])
+            merged_items = [item for _, (_, items) in jobs for item in items]
+            try:
+                with self.profiler:
+                    answers = self._run_job(([], merged_items))
+            except Exception as exc:  # _run_job answers per row; this is a bug: fail these jobs, keep serving
+                logger.exception("the GPU thread failed on a merged batch")
+                error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
+                answers = [error] * len(merged_items)
+            offset = 0
+            for senders, job in jobs:
+                n = len(job[1])
+                self._answers.put((senders, job, answers[offset : offset + n]))
+                offset += n
+
+    def _answer_loop(self) -> None:
+        while True:
+            entry = self._answers.get()
+            if entry is None:
+                return
+            senders, job, answers = entry
+            try:
+                responses = self._responses(job, answers)
+            except Exception as exc:  # never leave a request unanswered
+                logger.exception("building GPU-stage responses failed")
+                responses = [self._error(RequestError(INTERNAL, f"answer failed: {exc}"))] * len(senders)
+            self._send(senders, responses)
+
+    def finalize(self) -> None:
+        if self.overlap:  # the queued jobs are still answered, then both threads stop
+            self._jobs.put(None)
+            for thread in self._threads:
+                thread.join(30)
+            self.overlap = False
+        super().finalize()
 
     def _items(self, request) -> list:
         """The rows of one front request, each (ids, word positions, schema, adapter, t_min), or
@@ -463,6 +587,24 @@ class CoreModelHandler(TritonModelHandler):
                 pb.Tensor("COMPACT", np.array([[packed]], dtype=np.object_)),
             ]
         )
+
+
+def _first_response(answer):
+    """The GPU stage's one answer from a decoupled BLS call (an iterator of responses; a final
+    flag may come as an extra empty response), or ``answer`` itself when it is a response."""
+    if isinstance(answer, BaseException) or hasattr(answer, "has_error"):
+        return answer
+    try:
+        for response in answer:
+            if response.has_error() or response.output_tensors():
+                return response
+    except Exception as exc:
+        return exc
+    return RuntimeError("the GPU stage sent no response")
+
+
+def _job_tokens(items: list) -> int:
+    return sum(len(item[0]) for item in items if not isinstance(item, RequestError))
 
 
 def _text(value, name: str) -> str:

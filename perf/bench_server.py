@@ -23,6 +23,8 @@ perf_analyzer. A compact table closes the run.
 Designs (--design, several run one after the other, each with its own server):
   pipeline  gliner2: --front-instances CPU fronts (pre/post) sending each batch by BLS to
             gliner2_core: --core-instances per GPU holding the engine (the committed layout)
+  pipeline-serial  the same with gliner2_core's core_overlap off: each GPU-stage batch parsed,
+            run and answered in turn (the A/B of the overlap, in the same run)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -61,7 +63,7 @@ from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributi
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 FRONT, CORE = "gliner2", "gliner2_core"
-DESIGNS = ("pipeline", "single")
+DESIGNS = ("pipeline", "pipeline-serial", "single")  # pipeline-serial: core_overlap off
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"
@@ -175,7 +177,7 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
     if layout.design not in DESIGNS:
         raise ValueError(f"design {layout.design!r}: expected one of {DESIGNS}")
     dst.mkdir(parents=True, exist_ok=True)
-    if layout.design == "pipeline":
+    if layout.design.startswith("pipeline"):
         front = {k: params[k] for k in FRONT_KEYS if k in params}
         front["core_model"] = CORE
         _write_model(
@@ -191,7 +193,7 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
         _write_model(
             dst,
             CORE,
-            dict(params),
+            {**params, **({"core_overlap": "off"} if layout.design == "pipeline-serial" else {})},
             count=layout.core_instances,
             kind="KIND_GPU" if layout.gpus else None,  # no kind: count on each GPU (KIND_CPU without one)
             gpus=layout.gpus,
@@ -256,7 +258,10 @@ def design_of(summary: Mapping) -> str:
     if FRONT not in summary:
         return "unknown"
     core = summary[FRONT].get("parameters", {}).get("core_model", "none").strip()
-    return "single" if core in ("", "none") else "pipeline"
+    if core in ("", "none"):
+        return "single"
+    overlap = summary.get(CORE, {}).get("parameters", {}).get("core_overlap", "on").strip()
+    return "pipeline-serial" if overlap == "off" else "pipeline"
 
 
 # ---------------------------------------------------------------------------- perf_analyzer
@@ -733,7 +738,7 @@ def lora_base_ratio(row: Mapping, rows: list[Mapping]) -> Optional[tuple[float, 
 
 def summary_table(rows: list[Mapping]) -> str:
     head = (
-        f"{'design':8s} {'mode':13s} {'load':18s} {'req/s':>8s} {'p50':>7s} {'p95':>7s} {'p99':>7s}"
+        f"{'design':15s} {'mode':13s} {'load':18s} {'req/s':>8s} {'p50':>7s} {'p95':>7s} {'p99':>7s}"
         f" {'GPU%':>5s} {'front':>6s} {'core':>6s} {'batch':>6s} {'lora/base':>14s}"
     )
     lines = [
@@ -748,7 +753,7 @@ def summary_table(rows: list[Mapping]) -> str:
         cpu = row.get("cpu_ms_per_req") or {}
         ratio = lora_base_ratio(row, rows)
         lines.append(
-            f"{row.get('design', '?'):8s} {_mode_label(row):13s} {_load_label(row):18s}"
+            f"{row.get('design', '?'):15s} {_mode_label(row):13s} {_load_label(row):18s}"
             f" {row['req_per_s']:8.1f} {_fmt(row['p50_ms'])} {_fmt(row['p95_ms'])} {_fmt(row['p99_ms'])}"
             f" {_fmt(row.get('gpu_busy_pct'), '.0f', 5)} {_fmt(cpu.get(FRONT), '.2f', 6)}"
             f" {_fmt(cpu.get(CORE), '.2f', 6)} {_fmt(row.get('mean_batch'), '.1f', 6)}"

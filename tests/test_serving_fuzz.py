@@ -42,6 +42,8 @@ class FakePbUtils:
         def __init__(self, output_tensors: list, error=None):
             self.output_tensors, self.error = output_tensors, error
 
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
     @staticmethod
     def get_input_tensor_by_name(request: dict, name: str):
         return None if name not in request else FakePbUtils.Tensor(name, request[name])
@@ -52,6 +54,9 @@ CODE_NAMES = {getattr(FakePbUtils.TritonError, name): name for name in DOCUMENTE
 
 class NoMetrics:
     def publish(self, engine) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -265,6 +270,101 @@ def test_request_error_messages_are_capped():
     assert RequestError("INVALID_ARG", "short").message == "short"
 
 
+def _core_handler(engine):
+    from manylora.serving import CoreModelHandler
+
+    core = CoreModelHandler.__new__(CoreModelHandler)
+    core.pb_utils, core.engine, core.metrics = FakePbUtils, engine, NoMetrics()
+    core.profiler, core.vocab = ExecuteProfiler(None, ""), len(engine.processor.tokenizer)
+    core.control = None
+    return core
+
+
+def _core_request(prepared, schema: str, adapters=None) -> dict:
+    """The BLS request a front sends for these prepared rows (manylora/wire.py's inputs)."""
+    records = [p.record for p in prepared]
+    adapters = adapters or [""] * len(records)
+    return {
+        "INPUT_IDS": np.array([[t for r in records for t in r.input_ids]], dtype=np.int32),
+        "ROW_TOKENS": np.array([[len(r.input_ids) for r in records]], dtype=np.int32),
+        "WORD_POS": np.array([[w for r in records for w in r.text_word_first_positions]], dtype=np.int32),
+        "ROW_WORDS": np.array([[len(r.text_word_first_positions) for r in records]], dtype=np.int32),
+        "SCHEMA": np.array([[schema.encode()] * len(records)], dtype=object),
+        "ADAPTER_ID": np.array([[a.encode() for a in adapters]], dtype=object),
+        "T_MIN": np.array([[p.t_min for p in prepared]], dtype=np.float32),
+    }
+
+
+class FakeSender:
+    """A decoupled request's response sender: records what was sent."""
+
+    def __init__(self):
+        import threading
+
+        self.sent, self.done = [], threading.Event()
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+        if flags == FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self.done.set()
+
+
+class DecoupledRequest(dict):
+    def __init__(self, arrays: dict):
+        super().__init__(arrays)
+        self.sender = FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def test_decoupled_gpu_stage_overlaps_and_answers_every_request_once(tiny_checkpoint, demo_adapters):
+    """Decoupled gliner2_core: execute() only parses and queues; the GPU thread runs queued
+    batches (merged when they wait) and the answer thread sends each request exactly one
+    final response. A malformed request fails alone; every row equals the in-process engine's
+    answer; finalize answers what is queued and stops both threads."""
+    from manylora import wire
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine, Request
+    from manylora.post import CompactRow
+
+    root = next(iter(demo_adapters.values())).parent
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}))
+    schema = json.dumps({"entities": ["person", "company"]})
+    names = sorted(demo_adapters)
+    texts = ["Tim Cook runs Apple.", "Ada Lovelace met Charles Babbage.", "Grace Hopper worked at Remington Rand."]
+    cases = []  # (request, [(text, adapter)] or None for the malformed one)
+    for k in range(6):
+        rows = [(texts[(k + i) % 3], ["", *names][(k + i) % (len(names) + 1)]) for i in range(1 + k % 3)]
+        prepared = [engine.pre.prepare(i, Request(t, schema, adapter=a)) for i, (t, a) in enumerate(rows)]
+        cases.append((DecoupledRequest(_core_request(prepared, schema, [a for _, a in rows])), rows, prepared))
+    broken = DecoupledRequest(_core_request(cases[0][2], schema))
+    del broken["T_MIN"]
+    core = _core_handler(engine)
+    core.decoupled = True
+    core.start_overlap()
+    try:
+        assert core.execute([r for r, _, _ in cases[:3]] + [broken]) is None
+        assert core.execute([r for r, _, _ in cases[3:]]) is None  # queued while the first may still run
+        for request in [r for r, _, _ in cases] + [broken]:
+            assert request.sender.done.wait(120), "every request is answered"
+    finally:
+        core.finalize()
+    assert not any(t.is_alive() for t in core._threads)
+    ((response, flags),) = broken.sender.sent
+    assert CODE_NAMES[response.error.code] == "INVALID_ARG" and "T_MIN" in response.error.message
+    for request, rows, prepared in cases:
+        ((response, flags),) = request.sender.sent
+        assert flags == FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response.error is None
+        statuses = [s.decode() for s in response.output_tensors[0].array.reshape(-1)]
+        assert statuses == [""] * len(rows)
+        packed = wire.unpack_rows(response.output_tensors[1].array.reshape(-1)[0])
+        expected = engine.run([Request(t, schema, adapter=a) for t, a in rows])
+        for p, arrays, want in zip(prepared, packed, expected):
+            got = engine.post.decode(CompactRow.from_arrays(arrays), p.record, p.metadata, 0.5)
+            assert got == want
+
+
 def test_gpu_stage_fails_an_over_limit_row_alone_and_answers_the_others(tiny_checkpoint):
     """gliner2_core (CoreModelHandler) gets a front's rows in one request. A row above its own
     max_request_tokens (a front configured with a larger limit) gets INVALID_ARG alone; the
@@ -273,28 +373,15 @@ def test_gpu_stage_fails_an_over_limit_row_alone_and_answers_the_others(tiny_che
     from manylora.config import EngineConfig
     from manylora.engine import Engine, Request
     from manylora.post import CompactRow
-    from manylora.serving import CoreModelHandler
 
     engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "max_request_tokens": "64"}))
-    core = CoreModelHandler.__new__(CoreModelHandler)
-    core.pb_utils, core.engine, core.metrics = FakePbUtils, engine, NoMetrics()
-    core.profiler, core.vocab = ExecuteProfiler(None, ""), len(engine.processor.tokenizer)
+    core = _core_handler(engine)
     schema = json.dumps({"entities": ["person", "company"]})
     texts = ["Tim Cook runs Apple.", "word " * 200, "Ada Lovelace met Charles Babbage."]
     engine.pre.max_request_tokens = 4096  # the front's larger limit
     prepared = [engine.pre.prepare(i, Request(t, schema)) for i, t in enumerate(texts)]
     engine.pre.max_request_tokens = 64
-    records = [p.record for p in prepared]
-    request = {
-        "INPUT_IDS": np.array([[t for r in records for t in r.input_ids]], dtype=np.int32),
-        "ROW_TOKENS": np.array([[len(r.input_ids) for r in records]], dtype=np.int32),
-        "WORD_POS": np.array([[w for r in records for w in r.text_word_first_positions]], dtype=np.int32),
-        "ROW_WORDS": np.array([[len(r.text_word_first_positions) for r in records]], dtype=np.int32),
-        "SCHEMA": np.array([[schema.encode()] * 3], dtype=object),
-        "ADAPTER_ID": np.array([[b""] * 3], dtype=object),
-        "T_MIN": np.array([[p.t_min for p in prepared]], dtype=np.float32),
-    }
-    (response,) = core.execute([request])
+    (response,) = core.execute([_core_request(prepared, schema)])
     assert response.error is None
     statuses = [s.decode() for s in response.output_tensors[0].array.reshape(-1)]
     assert statuses[0] == statuses[2] == "" and statuses[1].startswith("INVALID_ARG\t")

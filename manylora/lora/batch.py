@@ -13,17 +13,8 @@ from typing import Optional, Sequence
 import torch
 
 from manylora import kernels
+from manylora.decode import device_tensor
 from manylora.lora.store import AdapterStore
-
-
-def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A small host list as a tensor on ``device``, without a stream sync: through pinned memory
-    and an asynchronous copy on CUDA (a plain ``torch.tensor(..., device=cuda)`` waits for the
-    GPU to drain the stream, serialising the host with the kernels already queued)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

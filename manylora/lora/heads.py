@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from manylora.lora.batch import device_tensor
+from manylora.decode import device_tensor
 from manylora.lora.store import AdapterStore
 
 HEAD_MODULES = ("span_rep", "classifier", "count_pred", "count_embed")
@@ -226,8 +226,8 @@ class HeadLoras:
         plan = {"pred_counts": pred_counts, "rows": []}
         if not records:
             return None, plan
-        prompt_rows = torch.tensor([r for r, _, _ in records], device=device)
-        prompt_pos = torch.tensor([p[0] for _, _, p in records], device=device)
+        prompt_rows = device_tensor([r for r, _, _ in records], device)
+        prompt_pos = device_tensor([p[0] for _, _, p in records], device)
         with self._set(("count_pred",), rows=[slots[r] for r, _, _ in records]):
             counts = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1).tolist()
         counted = []
@@ -239,7 +239,7 @@ class HeadLoras:
             return None, plan
         field_rows = [row for row, _, positions, _ in counted for _ in positions[1:]]
         field_pos = [pos for _, _, positions, _ in counted for pos in positions[1:]]
-        initial = hidden[torch.tensor(field_rows, device=device), torch.tensor(field_pos, device=device)]
+        initial = hidden[device_tensor(field_rows, device), device_tensor(field_pos, device)]
         projected, steps = self._count_embed_flat(counted, initial, slots)  # [longest, sum M, H]
         longest, total_fields = projected.shape[0], projected.shape[1]
         # queries of each row in GLiNER2's order: its span tasks in task order, each as
@@ -268,11 +268,11 @@ class HeadLoras:
         flat_dest = [a * width_q + k for a, q in dest for k in range(q)]
         hidden_size = hidden.shape[-1]
         queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
-        queries[torch.tensor(flat_dest, device=device)] = projected.reshape(longest * total_fields, hidden_size)[
-            torch.tensor(source, device=device)
+        queries[device_tensor(flat_dest, device)] = projected.reshape(longest * total_fields, hidden_size)[
+            device_tensor(source, device)
         ]
         queries = queries.reshape(len(active), width_q, hidden_size)
-        active_t = torch.tensor(active, device=device)
+        active_t = device_tensor(active, device)
         lengths = [words[row] for row in active]
         max_words = max(lengths)
         word_index = batch.text_word_indices[:, :max_words].to(device)[active_t]
@@ -280,9 +280,7 @@ class HeadLoras:
         tokens = hidden[active_t.unsqueeze(1), word_index]
         tokens = torch.where(word_mask.unsqueeze(-1), tokens, torch.zeros((), dtype=tokens.dtype, device=device))
         with self._set(("span_rep",), rows=[slots[row] for row in active]):
-            logits = model._compute_span_scores_core(
-                tokens, queries, torch.tensor(lengths, device=device), mask_invalid=True
-            )
+            logits = model._compute_span_scores_core(tokens, queries, device_tensor(lengths, device), mask_invalid=True)
         return logits, plan
 
     def _count_embed_flat(self, counted, initial: torch.Tensor, slots) -> tuple[torch.Tensor, list[int]]:

@@ -203,6 +203,17 @@ def test_bench_repository_pipeline_routes_engine_parameters_to_the_core(tmp_path
     assert summary["gliner2"]["instance_group"] == [{"count": 6, "kind": "KIND_CPU"}]
 
 
+def test_bench_repository_pipeline_serial_turns_the_core_overlap_off(tmp_path, engine_params):
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-serial"))
+    core = _parse_config(repo / "gliner2_core" / "config.pbtxt")
+    assert _params(core) == {**engine_params, "core_overlap": "off"}
+    assert core.model_transaction_policy.decoupled, "the committed GPU stage is decoupled in both variants"
+    assert _engine_config(core).core_overlap is False
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-serial"
+    committed = bench_server.bench_repository(tmp_path / "on", engine_params, bench_server.Layout(design="pipeline"))
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).core_overlap is True
+
+
 def test_bench_repository_core_on_listed_gpus(tmp_path, engine_params):
     layout = bench_server.Layout(design="pipeline", core_instances=2, gpus="0,1")
     repo = bench_server.bench_repository(tmp_path / "repo", engine_params, layout)
@@ -554,7 +565,7 @@ def test_main_starts_one_server_per_design_and_prints_the_table(tmp_path, monkey
     assert rows[1]["asked_rate"] == rows[1]["achieved_rate"] == 20.0 and rows[1]["rate_ok"]
     printed = capsys.readouterr().out
     assert "saturation req/s, base: single 40.0, pipeline 40.0 (pipeline / single 1.000)" in printed
-    assert "pipeline base          open 50% 20/s" in printed and "lora/base" in printed
+    assert "pipeline        base          open 50% 20/s" in printed and "lora/base" in printed
 
 
 def test_main_goes_on_when_a_design_does_not_start(tmp_path, monkeypatch, capsys, engine_params):
