@@ -123,8 +123,10 @@ class TritonModelHandler:
     """What model.py's TritonPythonModel of the public ``gliner2`` model delegates to.
 
     With the ``core_model`` parameter set (the committed repository: ``gliner2_core``), this
-    instance is a CPU front: pre and post here, the GPU stage through one BLS call per request
-    (``execute_async``). Without it, this instance runs every stage itself (``execute``)."""
+    instance is a CPU front: pre and post here, the GPU stage through one BLS call per batch
+    (``_execute_front``). Without it, this instance runs every stage itself (``_execute``)."""
+
+    core_model = ""  # class default: tests build handlers without __init__ (the single design)
 
     def __init__(self, args: dict, pb_utils):
         from manylora.config import EngineConfig
@@ -206,7 +208,7 @@ class TritonModelHandler:
         """One response per request, in order; never raises (an exception here would fail
         every request of the dynamic batch with Triton's generic INTERNAL error)."""
         with self.profiler:
-            return self._execute(requests)
+            return self._execute_front(requests) if self.core_model else self._execute(requests)
 
     def _execute(self, requests: list) -> list:
         decoded = self._decode_all(requests)
@@ -235,34 +237,37 @@ class TritonModelHandler:
             return self._run(requests[:half]) + self._run(requests[half:])
 
     # ------------------------------------------------------------------ the CPU front
-    async def execute_async(self, requests: list) -> list:
+    def _execute_front(self, requests: list) -> list:
         """Front: pre here, every row of the batch to the GPU stage in one BLS request (the
-        core's batcher packs it with other fronts' requests), post here."""
-        if not self.core_model:
-            return self.execute(requests)
-        with self.profiler:
-            decoded = self._decode_all(requests)
-            results: list = list(decoded)
-            prepared = []
-            for index, item in enumerate(decoded):
-                if isinstance(item, RequestError):
-                    continue
-                try:
-                    prepared.append(self.pre.prepare(index, item))
-                except RequestError as exc:
-                    results[index] = exc
-                except Exception as exc:  # a bug must not fail the other requests of the batch
-                    logger.exception("request %d could not be prepared", index)
-                    results[index] = RequestError(
-                        INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}"
-                    )
-            # decoupled=True: the committed gliner2_core is decoupled (its answer thread sends)
-            call = self._core_request(prepared).async_exec(decoupled=True) if prepared else None
-        answer = _first_response(await call) if call is not None else None
-        with self.profiler:
-            for p, row in zip(prepared, self._core_rows(answer, len(prepared)) if prepared else []):
+        core's batcher packs it with other fronts' requests), post here.
+
+        A synchronous, non-decoupled ``exec``: Triton runs a non-decoupled model's coroutine
+        execute to its end before the next one, so ``async_exec`` would overlap nothing here.
+        Measured on the H200 with tritonserver 2.51 (24.10), session 8: with ``async_exec``,
+        or with a decoupled GPU stage and ``exec(decoupled=True)``, front stubs turned
+        "not healthy" under load (the Python backend's decoupled-BLS deadlock and async_exec
+        use-after-free, fixed upstream in python_backend #439, 2026)."""
+        decoded = self._decode_all(requests)
+        results: list = list(decoded)
+        prepared = []
+        for index, item in enumerate(decoded):
+            if isinstance(item, RequestError):
+                continue
+            try:
+                prepared.append(self.pre.prepare(index, item))
+            except RequestError as exc:
+                results[index] = exc
+            except Exception as exc:  # a bug must not fail the other requests of the batch
+                logger.exception("request %d could not be prepared", index)
+                results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
+        if prepared:
+            try:
+                answer = self._core_request(prepared).exec()
+            except Exception as exc:
+                answer = exc
+            for p, row in zip(prepared, self._core_rows(answer, len(prepared))):
                 results[p.index] = row if isinstance(row, RequestError) else self._post(p, row)
-            return self._respond(results)
+        return self._respond(results)
 
     def _core_request(self, prepared: list):
         pb = self.pb_utils
@@ -343,15 +348,16 @@ class CoreModelHandler(TritonModelHandler):
     """``gliner2_core``: the GPU stage. Its rows come from the fronts' BLS calls (any client
     can call it too: every input is checked); it holds the only adapter cache of its GPU.
 
-    Decoupled (the committed config), ``execute`` only parses a batch and queues it; one GPU
-    thread runs the queued batches (those that wait are merged into one call, up to two token
-    budgets) and an answer thread packs and sends each request's response. So the next batch
-    is parsed and the last one answered while the GPU runs, in one process (one adapter cache):
-    measured in perf/README.md (core_overlap on/off). Not decoupled, or ``core_overlap: off``,
-    each batch is parsed, run and answered in turn inside ``execute``."""
+    With ``core_overlap`` on (default), ``execute`` only parses a batch, queues it and returns
+    None; one GPU thread runs the queued batches (those that wait are merged into one engine
+    call, up to two token budgets) and an answer thread packs each request's one response and
+    sends it with its response sender (the Python backend's default mode allows that since
+    24.06: exactly one response per request, with the final flag). So the next batch is parsed
+    and the last one answered while the GPU runs, in one process (one adapter cache). The
+    model stays non-decoupled: measured on tritonserver 2.51, decoupled BLS calls took front
+    stubs down under load. ``core_overlap: off`` runs each batch in turn inside ``execute``."""
 
-    decoupled = False  # class defaults: tests build handlers without __init__
-    overlap = False
+    overlap = False  # class default: tests build handlers without __init__
     MERGE_BUDGETS = 2  # queued batches merged into one engine call: up to this many token budgets
 
     def __init__(self, args: dict, pb_utils):
@@ -365,17 +371,15 @@ class CoreModelHandler(TritonModelHandler):
         self.core_model = ""
         self._load_engine(config, args, model_config, device)
         self.vocab = len(self.engine.processor.tokenizer)
-        self.decoupled = bool((model_config.get("model_transaction_policy") or {}).get("decoupled", False))
-        if self.decoupled and config.core_overlap:
+        if config.core_overlap:
             self.start_overlap()
         freeze_long_lived()
 
     def start_overlap(self) -> None:
-        """Start the GPU and answer threads (decoupled only; finalize stops them)."""
+        """Start the GPU and answer threads (finalize stops them)."""
         import queue
         import threading
 
-        assert self.decoupled, "overlap answers through response senders: decoupled models only"
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
@@ -387,20 +391,14 @@ class CoreModelHandler(TritonModelHandler):
         self.overlap = True
 
     def execute(self, requests: list):
-        """Not decoupled: one response per request, in order. Decoupled: every request is
-        answered through its response sender (here or by the answer thread); returns None."""
-        if self.overlap:  # the GPU thread profiles (one cProfile per process: sys.monitoring)
-            job = self._parse(requests)
-        else:
+        """core_overlap off: one response per request, in order. On: None; every request is
+        answered through its response sender by the answer thread."""
+        if not self.overlap:
             with self.profiler:
                 job = self._parse(requests)
-        if not self.decoupled:
-            return self._responses(job, self._run_job(job))
-        senders = [request.get_response_sender() for request in requests]
-        if self.overlap:
-            self._jobs.put((senders, job))
-            return None
-        self._send(senders, self._responses(job, self._run_job(job)))
+                return self._responses(job, self._run_job(job))
+        job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
+        self._jobs.put(([request.get_response_sender() for request in requests], job))
         return None
 
     def _parse(self, requests: list) -> tuple[list, list]:
@@ -587,20 +585,6 @@ class CoreModelHandler(TritonModelHandler):
                 pb.Tensor("COMPACT", np.array([[packed]], dtype=np.object_)),
             ]
         )
-
-
-def _first_response(answer):
-    """The GPU stage's one answer from a decoupled BLS call (an iterator of responses; a final
-    flag may come as an extra empty response), or ``answer`` itself when it is a response."""
-    if isinstance(answer, BaseException) or hasattr(answer, "has_error"):
-        return answer
-    try:
-        for response in answer:
-            if response.has_error() or response.output_tensors():
-                return response
-    except Exception as exc:
-        return exc
-    return RuntimeError("the GPU stage sent no response")
 
 
 def _job_tokens(items: list) -> int:

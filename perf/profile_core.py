@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         f"= {best * 1e3 / args.rows:.3f} ms/row ({args.rows / best:.0f} rows/s), walls {[round(w, 3) for w in walls]}"
     ]
     if device.startswith("cuda"):  # the GPU's own time: the bound if host work hid behind it entirely
-        kernel_ms = gpu_kernel_ms(lambda: engine.run_core(items), sync)
+        kernel_ms, kernels = gpu_kernel_ms(lambda: engine.run_core(items), sync)
+        (args.out / "core-kernels.txt").write_text(kernels)
         lines.append(
             f"GPU kernel time {kernel_ms:.1f} ms = {kernel_ms / args.rows:.3f} ms/row "
             f"({args.rows / kernel_ms * 1e3:.0f} rows/s if the GPU never waited); busy {kernel_ms / best / 10:.0f}% of the wall"
@@ -100,16 +101,18 @@ def main(argv=None) -> int:
 
 
 def gpu_kernel_ms(run, sync) -> float:
-    """Sum of the CUDA kernels' and copies' device time of one ``run()`` (torch.profiler)."""
+    """Sum of the CUDA kernels' and copies' device time of one ``run()`` (torch.profiler), in
+    ms, and the table of the kernels that took most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         sync()
     total_us = 0.0
-    for event in prof.key_averages():
+    events = prof.key_averages()
+    for event in events:
         total_us += getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-    return total_us / 1e3
+    return total_us / 1e3, events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
 
 
 if __name__ == "__main__":

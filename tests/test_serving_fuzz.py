@@ -296,7 +296,7 @@ def _core_request(prepared, schema: str, adapters=None) -> dict:
 
 
 class FakeSender:
-    """A decoupled request's response sender: records what was sent."""
+    """A request's response sender: records what was sent."""
 
     def __init__(self):
         import threading
@@ -309,7 +309,7 @@ class FakeSender:
             self.done.set()
 
 
-class DecoupledRequest(dict):
+class SenderRequest(dict):
     def __init__(self, arrays: dict):
         super().__init__(arrays)
         self.sender = FakeSender()
@@ -318,8 +318,8 @@ class DecoupledRequest(dict):
         return self.sender
 
 
-def test_decoupled_gpu_stage_overlaps_and_answers_every_request_once(tiny_checkpoint, demo_adapters):
-    """Decoupled gliner2_core: execute() only parses and queues; the GPU thread runs queued
+def test_overlapped_gpu_stage_answers_every_request_once_through_its_sender(tiny_checkpoint, demo_adapters):
+    """gliner2_core with core_overlap: execute() only parses and queues; the GPU thread runs queued
     batches (merged when they wait) and the answer thread sends each request exactly one
     final response. A malformed request fails alone; every row equals the in-process engine's
     answer; finalize answers what is queued and stops both threads."""
@@ -337,11 +337,10 @@ def test_decoupled_gpu_stage_overlaps_and_answers_every_request_once(tiny_checkp
     for k in range(6):
         rows = [(texts[(k + i) % 3], ["", *names][(k + i) % (len(names) + 1)]) for i in range(1 + k % 3)]
         prepared = [engine.pre.prepare(i, Request(t, schema, adapter=a)) for i, (t, a) in enumerate(rows)]
-        cases.append((DecoupledRequest(_core_request(prepared, schema, [a for _, a in rows])), rows, prepared))
-    broken = DecoupledRequest(_core_request(cases[0][2], schema))
+        cases.append((SenderRequest(_core_request(prepared, schema, [a for _, a in rows])), rows, prepared))
+    broken = SenderRequest(_core_request(cases[0][2], schema))
     del broken["T_MIN"]
     core = _core_handler(engine)
-    core.decoupled = True
     core.start_overlap()
     try:
         assert core.execute([r for r, _, _ in cases[:3]] + [broken]) is None

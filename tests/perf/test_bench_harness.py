@@ -204,10 +204,12 @@ def test_bench_repository_pipeline_routes_engine_parameters_to_the_core(tmp_path
 
 
 def test_bench_repository_pipeline_serial_turns_the_core_overlap_off(tmp_path, engine_params):
-    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-serial"))
+    repo = bench_server.bench_repository(
+        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-serial")
+    )
     core = _parse_config(repo / "gliner2_core" / "config.pbtxt")
     assert _params(core) == {**engine_params, "core_overlap": "off"}
-    assert core.model_transaction_policy.decoupled, "the committed GPU stage is decoupled in both variants"
+    assert not core.model_transaction_policy.decoupled, "one response per request, through its sender"
     assert _engine_config(core).core_overlap is False
     assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-serial"
     committed = bench_server.bench_repository(tmp_path / "on", engine_params, bench_server.Layout(design="pipeline"))

@@ -2,8 +2,7 @@
 manylora.serving.
 
 With its ``core_model`` parameter set (the committed repository), each instance is a CPU
-front (pre and post) that sends its rows to the GPU stage by BLS; ``execute`` is a coroutine
-so that all of a batch's BLS calls are in flight at once. All logic (config parsing, request
+front (pre and post) that sends each batch's rows to the GPU stage in one BLS call. All logic (config parsing, request
 decoding, per-request errors) lives in the installed ``manylora`` package.
 """
 
@@ -16,8 +15,8 @@ class TritonPythonModel:
     def initialize(self, args):
         self.handler = TritonModelHandler(args, pb_utils)
 
-    async def execute(self, requests):
-        return await self.handler.execute_async(requests)
+    def execute(self, requests):
+        return self.handler.execute(requests)
 
     def finalize(self):
         self.handler.finalize()
