@@ -2,36 +2,66 @@
 
     manylora extract --entities person,company "Tim Cook runs Apple."
     manylora extract --schema schema.json --adapter acme --input in.jsonl --output out.jsonl
+    cat in.jsonl | manylora extract --entities person --input -
     manylora health --url localhost:8001
+    manylora control list | preload ID... | evict ID... | stats
+    manylora --version
 
-Input lines: ``{"text": ..., "schema"?: {...}, "adapter"?: "...", "threshold"?: 0.4}``; a
-line's own schema, adapter and threshold win over the flags. One output line per
-non-empty input line, in input order: ``{"result": ...}`` or
-``{"error": {"code": ..., "message": ...}}``.
+Input lines: ``{"text": ..., "schema"?: {...}, "adapter"?: "...", "threshold"?: 0.4, "id"?: ...}``;
+a line's own schema, adapter and threshold win over the flags. The input is read once, line
+by line (a pipe or a FIFO works; nothing is read twice). One output line per non-empty input
+line, in input order: ``{"result": ...}`` or ``{"error": {"code": ..., "message": ...}}``,
+with the line's ``id`` (any JSON value) first when it has one. A line that is not UTF-8 or
+not JSON gets an INVALID_ARG error record of its own; the other lines are answered.
 
-Exit status: 0 all items succeeded (health: model ready), 1 some item failed
-(health: not ready), 2 usage error.
+Exit status: 0 all items succeeded (health: model ready; control: every instance answered
+and nothing was refused), 1 some item failed (health: not ready; control: the command, an
+adapter or an instance was refused, failed or did not answer), 2 usage error, 3 (control) the
+server cannot be reached or does not serve adapter control.
 
 ``main`` takes a ``client_factory`` so tests can inject a fake client: it is called
 with ``url, protocol, model_name, timeout, concurrency`` keywords and must return an
-object with ``stream(items, window)``, ``health()`` and ``close()``.
+object with ``stream(items, window)``, ``health()`` and ``close()``; and a
+``control_sender`` standing in for ``manylora.control.send``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
+
+from manylora import control
 
 from .client import DEFAULT_CONCURRENCY, ManyLoRAClient
 from .errors import ManyLoRAError, SchemaError
 from .protocol import DEFAULT_THRESHOLD, MODEL_NAME, Request
 
-EXIT_OK, EXIT_ITEM_FAILED, EXIT_USAGE = 0, 1, 2
-LINE_KEYS = {"text", "schema", "adapter", "threshold"}
+EXIT_OK, EXIT_ITEM_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, control.EXIT_UNREACHABLE
+LINE_KEYS = {"text", "schema", "adapter", "threshold", "id"}
+FALLBACK_VERSION = "0.1.0"  # when the package is not installed (run from a checkout)
+NO_ID = object()  # an input line without an "id"
+EXIT_STATUS_HELP = """exit status:
+  0  every item succeeded (health: the model is ready; control: every instance answered, nothing refused)
+  1  some item failed (health: not ready; control: the server refused the command, or an adapter was
+     refused or skipped, or an instance failed or did not answer in time)
+  2  usage error
+  3  control: the server cannot be reached, does not serve manylora_control, or no instance answers it"""
+
+
+def package_version() -> str:
+    """The installed manylora distribution's version; FALLBACK_VERSION when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("manylora")
+    except metadata.PackageNotFoundError:
+        return FALLBACK_VERSION
 
 
 class UsageError(Exception):
@@ -44,7 +74,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="manylora", description="Client of the ManyLoRA GLiNER2 Triton model.")
+    parser = _Parser(
+        prog="manylora",
+        description="Client of the ManyLoRA GLiNER2 Triton model.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"manylora {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def connection(sub):
@@ -56,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     extract = commands.add_parser(
         "extract",
         help="run GLiNER2 extraction on a text or a JSONL file",
-        description="Run GLiNER2 extraction on TEXT or on every line of --input.",
+        description="Run GLiNER2 extraction on TEXT or on every line of --input (read once: pipes and\n"
+        'FIFOs work). Input lines: {"text", "schema"?, "adapter"?, "threshold"?, "id"?};\n'
+        'output lines, in input order: {"id"?, "result"} or {"id"?, "error": {"code", "message"}}.',
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     connection(extract)
     schema = extract.add_mutually_exclusive_group()
@@ -77,11 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = extract.add_mutually_exclusive_group(required=True)
     source.add_argument("text", nargs="?", metavar="TEXT", help="text to extract from")
-    source.add_argument("--input", metavar="FILE", help="JSONL input, - for stdin")
+    source.add_argument("--input", metavar="FILE", help="JSONL input (a file, a FIFO, or - for stdin)")
     extract.add_argument("--output", metavar="FILE", help="JSONL output (default stdout); needs --input")
 
     health = commands.add_parser("health", help="check that the server and the model are ready")
     connection(health)
+
+    steer = commands.add_parser(
+        "control",
+        help="list, preload, evict adapters or read cache stats (the manylora_control model)",
+        description="Send one adapter-control command to every gliner2_core instance through the\n"
+        "manylora_control model and print its JSON answer.\n"
+        "  list           adapters on disk; what each instance holds, and the tensors PEFT ignores\n"
+        "  preload ID...  load into host memory, then GPU slots\n"
+        "  evict ID...    forget in both tiers\n"
+        "  stats          cache counters and memory",
+        epilog=control.EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    control.add_control_arguments(steer)
     return parser
 
 
@@ -92,10 +146,15 @@ def main(
     stdin: TextIO | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    control_sender: Callable[..., dict] | None = None,
 ) -> int:
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            with contextlib.redirect_stdout(stdout):  # --help and --version print there
+                args = build_parser().parse_args(argv)
+        except SystemExit as done:  # --help, --version
+            return done.code if isinstance(done.code, int) else EXIT_OK
         if args.command == "extract":
             schema_json = schema_from_flags(args)
             if args.output is not None and args.input is None:
@@ -108,6 +167,18 @@ def main(
         print(err, file=stderr)
         return EXIT_USAGE
 
+    if args.command == "control":
+        return control.run_command(
+            args.action,
+            args.adapter_ids,
+            url=args.url,
+            protocol=args.protocol,
+            model=args.model,
+            timeout=args.timeout,
+            stdout=stdout,
+            stderr=stderr,
+            sender=control_sender or control.send,
+        )
     client_factory = client_factory or ManyLoRAClient
     try:
         client = client_factory(
@@ -180,17 +251,40 @@ def load_json_arg(value: str, flag: str) -> Any:
         raise UsageError(f"manylora extract: error: {flag}: {where} is not valid JSON{hint}: {err}") from None
 
 
-def read_requests(lines: Iterable[str], defaults: dict) -> Iterator[Request | ManyLoRAError]:
-    """One Request per non-empty JSONL line, or a ManyLoRAError (INVALID_ARG) for a bad line."""
+def read_requests(
+    lines: Iterable[str | bytes], defaults: dict, ids: deque | None = None
+) -> Iterator[Request | ManyLoRAError]:
+    """One Request per non-empty JSONL line, or a ManyLoRAError (INVALID_ARG) for a bad line:
+    bytes that are not UTF-8, not JSON, not an object, or not a request.
+
+    ``lines`` may be bytes (decoded here, line by line) or str. With ``ids``, the ``id`` of each
+    line (``NO_ID`` when it has none, or is not a JSON object) is appended to it as the line is
+    yielded, for write_answers.
+    """
     from . import schemas
 
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        line_id = NO_ID
         try:
-            item = json.loads(line)
+            if isinstance(line, bytes):
+                try:
+                    line = line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    bad = err.object[err.start : err.start + 1].hex()
+                    raise ValueError(f"not valid UTF-8 (byte 0x{bad} at position {err.start}: {err.reason})") from None
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte order mark
+            try:
+                item = json.loads(line)
+            except RecursionError:
+                raise ValueError("not valid JSON: nested too deeply") from None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"not valid JSON: {err}") from None
             if not isinstance(item, dict):
                 raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+            line_id = item.get("id", NO_ID)
             unknown = set(item) - LINE_KEYS
             if unknown:
                 raise ValueError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(LINE_KEYS)}")
@@ -203,7 +297,7 @@ def read_requests(lines: Iterable[str], defaults: dict) -> Iterator[Request | Ma
             else:
                 raise ValueError('no "schema" on the line and no schema flag given')
             adapter = item.get("adapter")
-            yield Request(
+            request = Request(
                 text=item["text"],
                 schema=schema_json,
                 adapter=defaults["adapter"] if adapter is None else adapter,
@@ -212,19 +306,30 @@ def read_requests(lines: Iterable[str], defaults: dict) -> Iterator[Request | Ma
                 include_spans=defaults["include_spans"],
             )
         except ValueError as err:  # JSONDecodeError and SchemaError are ValueErrors
-            yield ManyLoRAError(f"line {number}: {err}", "INVALID_ARG")
+            request = ManyLoRAError(f"line {number}: {err}", "INVALID_ARG")
+        if ids is not None:
+            ids.append(line_id)
+        yield request
 
 
-def write_answers(answers: Iterable[dict | ManyLoRAError], out: TextIO, progress=None) -> tuple:
-    """Write one JSONL line per answer; return (items written, items failed)."""
+def write_answers(
+    answers: Iterable[dict | ManyLoRAError], out: TextIO, progress=None, ids: deque | None = None
+) -> tuple:
+    """Write one JSONL line per answer (with the ``id`` from ``ids``, in order, when the input
+    line had one); return (items written, items failed)."""
     written = failed = 0
     for answer in answers:
         written += 1
+        record: dict[str, Any] = {}
+        if ids:
+            line_id = ids.popleft()
+            if line_id is not NO_ID:
+                record["id"] = line_id
         if isinstance(answer, ManyLoRAError):
             failed += 1
-            record = {"error": answer.to_json()}
+            record["error"] = answer.to_json()
         else:
-            record = {"result": answer}
+            record["result"] = answer
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
         if progress is not None:
             progress.update(1)
@@ -248,27 +353,27 @@ def run_text(client, text: str, defaults: dict, stdout: TextIO, stderr: TextIO) 
 def run_file(client, args, defaults: dict, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     from tqdm import tqdm
 
-    total = None
+    # one pass, as bytes: a pipe or FIFO is read once, and each line is decoded on its own
     if args.input == "-":
-        source = stdin
+        source = getattr(stdin, "buffer", stdin)
     else:
         try:
-            source = open(args.input, encoding="utf-8")
+            source = open(args.input, "rb")
         except OSError as err:
             raise UsageError(f"manylora extract: error: --input: {err}") from None
-        with open(args.input, encoding="utf-8") as count_pass:
-            total = sum(1 for line in count_pass if line.strip())
     try:
         sink = stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
     except OSError as err:
-        source.close()
+        if args.input != "-":
+            source.close()
         raise UsageError(f"manylora extract: error: --output: {err}") from None
+    ids: deque = deque()
     try:
-        with tqdm(total=total, unit="req", file=stderr, disable=None, dynamic_ncols=True) as progress:
-            answers = client.stream(read_requests(source, defaults), window=args.concurrency)
-            written, failed = write_answers(answers, sink, progress)
+        with tqdm(unit="req", file=stderr, disable=None, dynamic_ncols=True) as progress:
+            answers = client.stream(read_requests(source, defaults, ids), window=args.concurrency)
+            written, failed = write_answers(answers, sink, progress, ids)
     finally:
-        if source is not stdin:
+        if args.input != "-":
             source.close()
         if sink is not stdout:
             sink.close()

@@ -685,9 +685,23 @@ class AdapterStore:
                 drained["host_to_gpu"].append(start.elapsed_time(end) / 1000.0)
             return drained
 
-    def resident(self) -> dict[str, list[str]]:
+    def resident(self, *, ignored: bool = False) -> dict:
+        """Adapter ids in GPU slots and in host memory (least recent first). With ``ignored``, also
+        ``"ignored"``: resident adapter id -> the modules whose tensors its file holds but its
+        config does not select (PEFT ignores them, and so do we), for the adapters that have any;
+        at most 64 modules each, then ``"... and N more"``."""
         with self._lock:
-            return {"gpu": list(self._gpu), "host": list(self._host)}
+            answer: dict = {"gpu": list(self._gpu), "host": list(self._host)}
+            if ignored:
+                adapters = {name: self._slot_owner[slot] for name, slot in self._gpu.items()}
+                adapters.update(self._host)
+                answer["ignored"] = {
+                    name: list(a.ignored[:64])
+                    + ([f"... and {len(a.ignored) - 64} more"] if len(a.ignored) > 64 else [])
+                    for name, a in sorted(adapters.items())
+                    if a is not None and a.ignored
+                }
+            return answer
 
     def loading(self) -> list[str]:
         """Adapters whose load is queued or running."""

@@ -2,8 +2,11 @@
 
 The real tritonserver serves the committed control model and gliner2 with two instances
 (two processes, two caches). They meet in the per-server control folder (``control_dir``
-auto). list / preload / evict / stats go over gRPC and HTTP; the gliner2 answers still equal
-GLiNER2 + PEFT, and the stats show the effect of each command on every instance.
+auto), private and of an unpredictable name. list / preload / evict / stats go over gRPC and
+HTTP; the gliner2 answers still equal GLiNER2 + PEFT, and the stats show the effect of each
+command on every instance. The same server also serves a read-only copy of the control
+model (``allowed_commands`` list,stats), and the ``manylora control`` command line is run
+against both.
 
 Until ``manylora/serving.py`` calls ``attach_control`` itself, the gliner2 model.py of this
 test adds that one line (GLINER2_MODEL_PY); the call is idempotent, so the test keeps
@@ -12,8 +15,12 @@ working once serving.py makes it.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +28,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import text_format
-from manylora.client import protocol
+from manylora.client import cli, protocol
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from manylora.compare import result_differences
-from manylora.control import ADAPTER_IDS, COMMAND, RESULT, default_control_dir
+from manylora.control import ADAPTER_IDS, COMMAND, RESULT, auto_control_dir, control_base
 from manylora.demo import demo_schemas, demo_texts
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -65,21 +72,51 @@ def write_gliner2(folder: Path, parameters: dict[str, str], instances: int) -> N
     (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
 
 
+PARTIAL = "enc-r8-partial"  # enc-r8's file, with a config that leaves one of its modules out
+
+
+def _partial_adapter(adapters: Path, demo_adapters: dict) -> str:
+    """enc-r8's weights under a config whose target_modules leave one module out; that module."""
+    folder = adapters / PARTIAL
+    shutil.copytree(demo_adapters["enc-r8"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    left_out = sorted(config["target_modules"])[0]
+    config["target_modules"] = sorted(set(config["target_modules"]) - {left_out})
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return left_out
+
+
+def write_control(folder: Path, allowed_commands: str | None = None) -> None:
+    """The committed control model under the folder's name, with allowed_commands when given."""
+    shutil.copytree(CONTROL_MODEL, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    config.name = folder.name
+    if allowed_commands is not None:
+        config.parameters["allowed_commands"].string_value = allowed_commands
+    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
+
+
 @pytest.fixture(scope="module")
 def control(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapters):
-    repo = tmp_path_factory.mktemp("control") / "repo"
+    root = tmp_path_factory.mktemp("control")
+    repo, adapters = root / "repo", root / "adapters"
+    shutil.copytree(next(iter(demo_adapters.values())).parent, adapters)
+    left_out = _partial_adapter(adapters, demo_adapters)
     parameters = {
         "checkpoint": str(tiny_checkpoint),
-        "adapter_dir": str(next(iter(demo_adapters.values())).parent),
+        "adapter_dir": str(adapters),
         "max_gpu_adapters": "2",
         "max_cpu_adapters": "3",
     }
     write_gliner2(repo / "gliner2", parameters, instances=2)
-    shutil.copytree(CONTROL_MODEL, repo / "manylora_control", ignore=shutil.ignore_patterns("__pycache__"))
-    return triton_server_factory(repo)
+    write_control(repo / "manylora_control")
+    write_control(repo / "manylora_control_ro", allowed_commands="list,stats")
+    server = triton_server_factory(repo)
+    server.adapters, server.left_out = adapters, left_out
+    return server
 
 
-def _command(server, command: str, adapter_ids: str | None = None, module=grpcclient) -> dict:
+def _command(server, command: str, adapter_ids: str | None = None, module=grpcclient, model="manylora_control") -> dict:
     client = module.InferenceServerClient(server.grpc_url if module is grpcclient else server.http_url)
     inputs = []
     for name, text in ((COMMAND, command), (ADAPTER_IDS, adapter_ids)):
@@ -88,7 +125,7 @@ def _command(server, command: str, adapter_ids: str | None = None, module=grpccl
             tensor.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
             inputs.append(tensor)
     try:
-        return json.loads(client.infer("manylora_control", inputs).as_numpy(RESULT)[0])
+        return json.loads(client.infer(model, inputs).as_numpy(RESULT)[0])
     finally:
         client.close()
 
@@ -98,7 +135,7 @@ def _results(answer: dict) -> dict[str, dict]:
     return {i["instance"]: i["result"] for i in answer["instances"]}
 
 
-def _extract(server, peft_reference, demo_adapters, adapter: str, seed: int) -> None:
+def _extract(server, peft_reference, demo_adapters, adapter: str, seed: int, folder: Path | None = None) -> None:
     """One request through gliner2; its answer must equal GLiNER2 + PEFT with that adapter."""
     from gliner2.inference.schema import Schema
 
@@ -113,21 +150,27 @@ def _extract(server, peft_reference, demo_adapters, adapter: str, seed: int) -> 
         got = protocol.parse_result(client.infer("gliner2", inputs).as_numpy(protocol.RESULT))
     finally:
         client.close()
-    (expected,) = peft_reference(demo_adapters[adapter]).batch_extract([request.text], Schema.from_json(request.schema))
+    reference = peft_reference(folder or demo_adapters[adapter])
+    (expected,) = reference.batch_extract([request.text], Schema.from_json(request.schema))
     assert not result_differences(got, json.loads(json.dumps(expected))), adapter
 
 
 def test_control_reaches_both_instances_over_the_per_server_folder(control, demo_adapters):
     server = control
     listed = _command(server, "list")
-    assert listed["adapters"] == sorted(demo_adapters)
+    assert listed["adapters"] == sorted([*demo_adapters, PARTIAL])
     assert sorted(i["instance"] for i in listed["instances"]) == ["gliner2_0_0", "gliner2_0_1"]
     assert len({i["pid"] for i in listed["instances"]}) == 2, "two processes, two caches"
     instances = Path(listed["adapter_dirs"][0])  # sanity: the adapter folder the instances report
-    assert instances == next(iter(demo_adapters.values())).parent.resolve()
-    folder = default_control_dir().parent / f"server-{server.process.pid}"
+    assert instances == server.adapters.resolve()
+    folder = auto_control_dir(server.process.pid, create=False)
+    assert folder is not None and folder.parent == control_base()
+    assert folder.name.startswith(f"server-{server.process.pid}-") and len(folder.name.split("-")) >= 4
+    for private in (control_base(), folder, folder / "commands", folder / "instances"):
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700, private
     status_files = list((folder / "instances").glob("*.json"))
     assert len(status_files) == 2, "auto control_dir: one folder per tritonserver process"
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in status_files)
 
 
 def test_preload_then_requests_read_nothing_from_disk(control, peft_reference, demo_adapters):
@@ -174,3 +217,68 @@ def test_bad_commands_are_invalid_arg(control, module):
         with pytest.raises(InferenceServerException, match=message) as info:
             _command(server, command, ids, module=module)
         assert ("INVALID_ARGUMENT" if module is grpcclient else "400") in str(info.value.status())
+
+
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_allowed_commands_makes_a_control_model_read_only(control, module):
+    server = control
+    listed = _command(server, "list", module=module, model="manylora_control_ro")
+    assert len(listed["instances"]) == 2 and listed["pending"] == []
+    with pytest.raises(InferenceServerException, match="COMMAND 'evict' is turned off on this server") as info:
+        _command(server, "evict", "enc-r8", module=module, model="manylora_control_ro")
+    assert ("StatusCode.UNIMPLEMENTED" if module is grpcclient else "501") in str(info.value.status())
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = cli.main(["control", *argv], stdout=out, stderr=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_the_control_command_line_exits_by_what_happened(control):
+    server = control
+    status, out, err = _cli("stats", "--url", server.grpc_url)
+    assert (status, err) == (0, "") and len(json.loads(out)["instances"]) == 2
+    status, out, err = _cli("preload", "enc-r4", "no-such-adapter", "--url", server.http_url, "--protocol", "http")
+    assert status == 1 and "refused no-such-adapter: unknown adapter 'no-such-adapter'" in err
+    assert all(i["result"]["loaded"] == ["enc-r4"] for i in json.loads(out)["instances"]), "the answer is printed"
+    status, out, err = _cli("evict", "enc-r4", "--url", server.grpc_url, "--model", "manylora_control_ro")
+    assert (status, out) == (1, "") and "is turned off on this server" in err
+    status, out, err = _cli("list", "--url", server.grpc_url, "--model", "no_such_model")
+    assert (status, out) == (3, "") and "does not serve the model 'no_such_model'" in err
+    # python -m manylora.control: the same exits, no traceback
+    done = subprocess.run(
+        [sys.executable, "-m", "manylora.control", "evict", "enc-r4", "--url", server.grpc_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and json.loads(done.stdout)["instances"], done.stderr
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "manylora.control",
+            "evict",
+            "x",
+            "--url",
+            server.grpc_url,
+            "--model",
+            "manylora_control_ro",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "turned off" in done.stderr
+
+
+def test_list_shows_the_tensors_peft_ignores(control, peft_reference, demo_adapters):
+    """Last in this module: its request pins a GPU slot, which the preload test above counts on."""
+    server = control
+    _command(server, "preload", PARTIAL)
+    for listing in _results(_command(server, "list")).values():
+        assert PARTIAL in listing["host"]
+        assert listing["ignored"] == {PARTIAL: [server.left_out]}, "enc-r8 itself ignores nothing"
+    _extract(server, peft_reference, demo_adapters, PARTIAL, seed=3, folder=server.adapters / PARTIAL)
+    _command(server, "evict", PARTIAL)
