@@ -85,6 +85,16 @@ def _on_off(key: str, raw: str) -> bool:
     return value == "on"
 
 
+def _fraction(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"parameter {key!r}: expected a number in (0, 1], got {raw!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"parameter {key!r}: expected a number in (0, 1], got {raw!r}")
+    return value
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -109,6 +119,7 @@ class EngineConfig:
     cpu_threads: int = 0  # 0 = auto
     core_model: str = ""  # "" = this instance runs pre, GPU stage and post itself
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
+    gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -155,6 +166,12 @@ class EngineConfig:
             False,
             "the GPU-stage model this CPU front sends its batches to (BLS), e.g. gliner2_core; "
             "'none' (default) = this instance runs every stage itself",
+        ),
+        "gpu_memory_fraction": (
+            _fraction,
+            False,
+            "share of its GPU's memory the GPU stage may allocate (default 0.9); weights, adapter slots and "
+            "one token budget's activations must fit in it, or the model refuses to load",
         ),
         "core_overlap": (
             _on_off,

@@ -91,6 +91,24 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_static_memory(memory: dict, config: EngineConfig, device: str) -> None:
+    """Raise ConfigError, with the numbers, when weights + adapter slots exceed the cap."""
+    from manylora.config import ConfigError
+
+    weights, slots, cap = memory["weights"], memory["adapter_slots"], memory["cap"]
+    if weights + slots > cap:
+        raise ConfigError(
+            f"the GPU stage does not fit {device}: weights {_gib(weights)} + {config.max_gpu_adapters} adapter "
+            f"slots of rank {config.max_lora_rank} {_gib(slots)} = {_gib(weights + slots)}, above its cap "
+            f"{_gib(cap)} (gpu_memory_fraction {config.gpu_memory_fraction} of {_gib(memory['total'])}); lower "
+            "max_gpu_adapters or max_lora_rank, or raise gpu_memory_fraction"
+        )
+
+
 def load_gliner2(checkpoint, device: str, dtype: torch.dtype):
     """GLiNER2 from a local checkpoint directory, on ``device`` in ``dtype``, eval mode."""
     from gliner2 import GLiNER2
@@ -108,13 +126,22 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        if self.device.type == "cuda":  # the cap first: every allocation below counts against it
+            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, self.device)
         model = load_gliner2(config.checkpoint, "cpu", torch.float32)
-        self.encoder = Encoder(model.encoder).to(device=self.device, dtype=self.dtype).eval()
-        self.encoder.backend = config.backend
+        encoder = Encoder(model.encoder)
         # The heads stay GLiNER2's modules (wrapped for per-row LoRA); its transformers
         # backbone is not needed.
         model.encoder = None
         self.heads = HeadLoras(model)
+        shapes = {n: (m.in_features, m.out_features) for n, m in encoder.linears().items()}
+        shapes.update(self.heads.shapes())
+        self.memory: dict = {}  # the GPU stage's memory statement (bytes), filled on CUDA
+        if self.device.type == "cuda":
+            weights = sum(p.numel() for m in (encoder, model) for p in m.parameters())
+            self.memory = self._check_static_memory(weights, shapes)
+        self.encoder = encoder.to(device=self.device, dtype=self.dtype).eval()
+        self.encoder.backend = config.backend
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.processor = model.processor
         self.pre = Preprocessor(model, config.max_request_tokens)
@@ -122,8 +149,6 @@ class Engine:
         self.post = PostDecoder.from_model(model)
         # (distinct adapters, waves) per dynamic batch, drained by the metrics publisher
         self.batch_stats: deque[tuple[int, int]] = deque(maxlen=4096)
-        shapes = {n: (m.in_features, m.out_features) for n, m in self.encoder.linears().items()}
-        shapes.update(self.heads.shapes())
         self.store = AdapterStore(
             config.adapter_dir,
             shapes,
@@ -145,6 +170,89 @@ class Engine:
         # True: the heads run GLiNER2's per-row list layout (compact_batch) for every chunk, as
         # they do anyway for attribute groups; False: the dense batch layout (tests compare them)
         self.list_heads = False
+        if self.device.type == "cuda":
+            self._probe_activations()
+
+    # ------------------------------------------------------------------ memory
+    def _check_static_memory(self, parameters: int, shapes: dict) -> dict:
+        """Weights and adapter slots against the allocator cap, before either is allocated:
+        a configuration that cannot hold them refuses to load, with the numbers."""
+        from manylora.lora.store import slot_bytes
+
+        config = self.config
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        memory = {
+            "total": total,
+            "cap": int(total * config.gpu_memory_fraction),
+            "weights": parameters * torch.empty(0, dtype=self.dtype).element_size(),
+            "adapter_slots": slot_bytes(shapes, config.max_lora_rank, self.dtype) * config.max_gpu_adapters,
+        }
+        check_static_memory(memory, config, str(self.device))
+        return memory
+
+    def probe(self) -> None:
+        """One token budget's worth of base rows through the whole GPU stage, in the two
+        extreme shapes the limits allow (many short rows; the longest rows), chunked as
+        ``_core`` chunks them but without its split-on-out-of-memory. Raises what they raise."""
+        config = self.config
+        schema = '{"entities": ["person", "organization", "location", "date"]}'
+        shapes = [  # (rows, words)
+            (max(1, config.max_batch_tokens // 256), 200),
+            (max(1, config.max_batch_tokens // config.max_request_tokens), config.max_request_tokens),
+        ]
+        for rows, words in shapes:
+            while True:  # the longest text of `words` words or fewer within max_request_tokens
+                try:
+                    p = self.pre.prepare(0, Request(" ".join(["word"] * words), schema))
+                    break
+                except RequestError:
+                    words = words * 3 // 4
+            record, metadata = self.pre.core_record(p.record.input_ids, p.record.text_word_first_positions, schema)
+            request = CoreRequest("", schema, p.t_min)
+            prepared = [
+                Prepared(i, request, record, metadata, len(record.input_ids), None, p.t_min) for i in range(rows)
+            ]
+            with torch.inference_mode():
+                for chunk in self._chunks(prepared):
+                    self.compact(chunk, *self.forward(chunk))
+
+    def _probe_activations(self) -> None:
+        """``probe`` at load on the GPU (it also compiles the kernels): its activation peak
+        joins the memory statement, and a token budget whose activations do not fit under the
+        cap refuses to load, with the numbers. Any other failure of the probe is logged only."""
+        from manylora.config import ConfigError
+
+        config, memory = self.config, self.memory
+        torch.cuda.synchronize(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            self.probe()
+            torch.cuda.synchronize(self.device)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ConfigError(
+                f"the GPU stage does not fit {self.device}: weights {_gib(memory['weights'])} and adapter slots "
+                f"{_gib(memory['adapter_slots'])} leave {_gib(memory['cap'] - resident)} under the cap "
+                f"{_gib(memory['cap'])} (gpu_memory_fraction {config.gpu_memory_fraction}), and one batch of "
+                f"max_batch_tokens {config.max_batch_tokens} did not run in it ({type(exc).__name__}); lower "
+                "max_batch_tokens or max_gpu_adapters, or raise gpu_memory_fraction"
+            ) from None
+        except Exception:
+            logger.exception("the GPU memory probe failed; the memory statement has no activation figure")
+            return
+        finally:
+            torch.cuda.empty_cache()
+        memory["activations"] = torch.cuda.max_memory_allocated(self.device) - resident
+        logger.info(
+            "GPU memory of %s: weights %s, %d adapter slots %s, activations of one token budget %s; cap %s of %s",
+            self.device,
+            _gib(memory["weights"]),
+            config.max_gpu_adapters,
+            _gib(memory["adapter_slots"]),
+            _gib(memory["activations"]),
+            _gib(memory["cap"]),
+            _gib(memory["total"]),
+        )
 
     # ------------------------------------------------------------------ pre
     def _adapter(self, adapter_id: str, found: Optional[dict]):
