@@ -423,7 +423,7 @@ class Engine:
             try:
                 prepared.append(self.prepare(index, request, found))
             except RequestError as exc:
-                results[index] = exc
+                results[index] = exc.with_traceback(None)  # a kept traceback would hold this frame: a cycle
             except Exception as exc:  # a bug must not fail the other requests of the batch
                 logger.exception("request %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
@@ -455,7 +455,7 @@ class Engine:
                 request = CoreRequest(adapter_id, schema_json, t_min)
                 prepared.append(Prepared(index, request, record, metadata, len(record.input_ids), adapter, t_min))
             except RequestError as exc:
-                results[index] = exc
+                results[index] = exc.with_traceback(None)
             except Exception as exc:
                 logger.exception("core item %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")

@@ -4,27 +4,44 @@ Runs on the CPU. In the Triton pipeline it runs in the ``gliner2`` front instanc
 as the host's cores allow, ``instance_group.count``); in-process (``Engine.run``, tests,
 benchmarks) the engine calls it directly. Nothing here touches the GPU or the adapter store.
 
-* the schema is parsed once per SCHEMA text (a bounded LRU): GLiNER2's ``Schema`` for
-  validation, GLiNER2's schema dict and decoding metadata, and the schema half of the record
-  (``RecordBuilder.schema_part``);
-* per request: limits, then the text half of the record (``RecordBuilder.record``);
+* the schema is parsed once per SCHEMA text (a cache bounded in entries and bytes,
+  ``SCHEMA_CACHE_*``): GLiNER2's ``Schema`` for validation, GLiNER2's schema dict and
+  decoding metadata, and the schema half of the record (``RecordBuilder.schema_part``);
+* per request: limits, then the text half of the record (``RecordBuilder.record``). A request
+  refused for its length leaves no words in the caches (its new words are kept only once it
+  is accepted), and a schema that cannot fit ``max_request_tokens`` alone is never kept;
 * ``t_min``: the lowest threshold any decoding of this row compares a score with
   (``post.sparsify_threshold``): the GPU stage sends back only scores at or above it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Optional
 
 from manylora.client.protocol import Request
 from manylora.errors import INVALID_ARG, RequestError
-from manylora.preprocess import RecordBuilder, SchemaPart
+from manylora.preprocess import (
+    DICT_ENTRY_BYTES,
+    BoundedCache,
+    RecordBuilder,
+    SchemaPart,
+    TokenCache,
+    TokenLimitExceeded,
+    deep_sizeof,
+    str_bytes,
+)
 
 CHARS_PER_TOKEN_BOUND = 32  # a text this many characters per allowed token is refused untokenized
+# SCHEMA text -> (schema part, metadata). A server sees a few schemas; 4096 leaves room for
+# per-user ones. An entry is its SCHEMA text plus what parsing built (deep_sizeof): 5-25 KB
+# for the demo schemas, at most ~1.2 MB (a 65,536-character schema of 4,096 tokens, the most
+# max_request_tokens lets a kept schema have); 64 MiB holds the 4096 entries of typical
+# schemas, and at least 50 of the largest (one entry is at most a sixteenth of the bound).
 SCHEMA_CACHE_SIZE = 4096
+SCHEMA_CACHE_BYTES = 64 << 20
 
 
 @dataclass
@@ -48,7 +65,31 @@ class Preprocessor:
         self.processor = model.processor
         self.records = RecordBuilder(self.processor)
         self.max_request_tokens = max_request_tokens
-        self.parse_schema = lru_cache(maxsize=SCHEMA_CACHE_SIZE)(self._parse_schema_uncached)
+        # values are (part, metadata, bytes counted for the entry)
+        self.schema_cache = BoundedCache(SCHEMA_CACHE_SIZE, SCHEMA_CACHE_BYTES, lambda key, value: value[2])
+
+    def caches(self) -> dict[str, BoundedCache]:
+        """Every cache of this preprocessor (and of its record builder), by name."""
+        return {"schemas": self.schema_cache, **self.records.caches()}
+
+    def parse_schema(self, schema_json: str) -> tuple[SchemaPart, dict]:
+        """(schema part of the record, GLiNER2's decoding metadata) for one SCHEMA text; raises
+        RequestError. Cached unless the schema alone is above max_request_tokens (then no
+        request with it can be served: a flood of such schemas leaves nothing behind, in this
+        cache or in GLiNER2's token cache)."""
+        hit = self.schema_cache.get(schema_json)
+        if hit is not None:
+            return hit[0], hit[1]
+        tokens = self.processor._tokenize_cached  # GLiNER2's, bounded: keeps the new tokens only with the schema
+        deferred = tokens.deferred() if isinstance(tokens, TokenCache) else contextlib.nullcontext({})
+        with deferred as new_tokens:
+            part, metadata = self._parse_schema_uncached(schema_json)
+        if len(part.input_ids) <= self.max_request_tokens:
+            nbytes = str_bytes(schema_json) + deep_sizeof((part, metadata)) + DICT_ENTRY_BYTES
+            self.schema_cache.put(schema_json, (part, metadata, nbytes))
+            if isinstance(tokens, TokenCache):
+                tokens.keep(new_tokens)
+        return part, metadata
 
     def _parse_schema_uncached(self, schema_json: str) -> tuple[SchemaPart, dict]:
         """(schema part of the record, GLiNER2's decoding metadata) for one SCHEMA text."""
@@ -94,15 +135,19 @@ class Preprocessor:
         if not text_checked:
             self.check_text(request.text)
         part, metadata = self.parse_schema(request.schema)
+        limit = self.max_request_tokens
+        tokens = None
         try:
-            record = self.records.record(request.text, part)
+            record = self.records.record(request.text, part, limit)
+        except TokenLimitExceeded as exc:
+            tokens = exc.tokens  # raised below, outside this block: the error must not hold the
+            # refused request's words and ids through its __context__'s traceback
         except Exception as exc:  # gliner2 raises plain exceptions for unencodable records
             raise RequestError(INVALID_ARG, f"text and schema could not be encoded: {exc}") from None
-        limit = self.max_request_tokens
-        if len(record.input_ids) > limit:
+        if tokens is not None:
             raise RequestError(
                 INVALID_ARG,
-                f"text and schema are {len(record.input_ids)} tokens, above the limit of "
+                f"text and schema are {tokens} tokens, above the limit of "
                 f"{limit} (max_request_tokens); split the text into chunks",
             )
         t_min = sparsify_threshold(request.threshold, metadata)

@@ -16,16 +16,24 @@ workload repeats a few schemas over many texts, so ``RecordBuilder`` splits the 
 
 The result is field for field the record GLiNER2 builds (tests compare them on varied
 texts and schemas), so GLiNER2's own batching and decoding run on it unchanged.
+
+Memory is bounded whatever clients send: every cache here (and GLiNER2's own per-token cache,
+which ``RecordBuilder`` replaces on its processor) is a ``BoundedCache``, bounded in entries
+and in the bytes it holds (the ``*_CACHE_*`` constants below); a word longer than
+``MAX_CACHED_WORD_CHARS`` is never cached, and ``record(text, part, limit)`` caches nothing
+for a request it refuses (``TokenLimitExceeded``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
-from dataclasses import dataclass
-from functools import lru_cache
+import sys
+import threading
+from dataclasses import dataclass, fields, is_dataclass
 from itertools import accumulate, chain, repeat
-from typing import Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +41,211 @@ from gliner2.processing.word_splitter import WhitespaceTokenSplitter
 from gliner2.processor import PreprocessedBatch, TransformedRecord
 
 PROBE_TEXT = "probe."
+
+# Cache bounds, per RecordBuilder (one per model instance: each CPU front and each GPU stage).
+# Entries are counted by what they hold (sys.getsizeof of key, value and the value's items,
+# plus DICT_ENTRY_BYTES for the dict slot); worst case for the words, tokens, slots and
+# stand-ins together: 64 + 8 + 16 + 4 = 92 MiB per instance, whatever the traffic (with
+# pre.SCHEMA_CACHE_BYTES: 156 MiB).
+# A word (or schema token) longer than this is tokenized every time and never cached: words
+# of natural text are a few to twenty characters (the demo texts' longest: a 29-character e-mail
+# address; URLs are words too, and one over 64 characters is simply tokenized again), while one
+# distinct huge "word" (a 131,072-character text without spaces: 115,000 tokens) held 5 MB
+# per request in the caches before, kept after its INVALID_ARG.
+MAX_CACHED_WORD_CHARS = 64
+# Words -> subword ids. 2^18 entries: the vocabulary of a long-running mixed workload (the
+# demo's 2,000 texts have 7,600 distinct words); a typical entry (a word of 4-12 characters,
+# 1-3 ids) is 230-300 bytes, so 2^18 of them fit the byte bound and it binds only when
+# clients send long words (64 MiB holds 28,000 words of 64 characters at one id a character).
 WORD_CACHE_SIZE = 1 << 18
+WORD_CACHE_BYTES = 64 << 20
+# GLiNER2's own token -> pieces cache (processor._tokenize_cached, a 50,000-entry LRU without
+# a byte bound): with the words cached here it sees only schema tokens when a schema is first
+# parsed (labels, one token per task's joined descriptions), a few dozen per schema.
+TOKEN_CACHE_SIZE = 1 << 14
+TOKEN_CACHE_BYTES = 8 << 20
+# ("text", index, num_schemas) runs, one per (first text index, schema count): one per
+# distinct schema length in use; a run of n slots is about 100 n bytes (4096 slots: 400 KB).
+SLOT_RUN_CACHE_SIZE = 4096
+SLOT_RUN_CACHE_BYTES = 16 << 20
+# Non-ASCII character -> stand-in: a text brings only its distinct characters; 2^15 covers
+# every letter of the scripts in use (CJK included) at about 130 bytes each (4 MiB).
+STAND_IN_CACHE_SIZE = 1 << 15
+STAND_IN_CACHE_BYTES = 4 << 20
+# A dict slot (hash, key, value; a third of the table kept free), counted for every entry.
+DICT_ENTRY_BYTES = 96
+INT_BYTES = sys.getsizeof(1 << 20)  # token ids above 256 are int objects of their own
+
+
+class TokenLimitExceeded(Exception):
+    """``RecordBuilder.record``: the text and schema are ``tokens`` tokens, above the limit given."""
+
+    def __init__(self, tokens: int):
+        super().__init__(tokens)
+        self.tokens = tokens
+
+
+class BoundedCache:
+    """A map bounded in entries (``max_entries``) and in bytes (``max_bytes``, as ``size(key,
+    value)`` estimates them), evicting the least recently used entries by generations.
+
+    Entries live in two dicts, ``fresh`` and ``old``. A hit in ``old`` moves the entry to
+    ``fresh``; when ``fresh`` holds half of either bound, ``old`` is dropped and ``fresh``
+    becomes ``old``. An entry used at least once per half-cache of insertions therefore stays
+    and one unused for longer goes: LRU at the granularity of half the cache, with lookups at
+    plain-dict speed (the per-word hot path maps ``cache.fresh.get`` over a text's words, and
+    asks ``get`` only for what that misses). An entry over ``max_item_bytes`` (default: a
+    sixteenth of ``max_bytes``) is never stored. Writes take a lock; reads need none.
+    """
+
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int,
+        size: Callable[[Any, Any], int],
+        max_item_bytes: Optional[int] = None,
+    ):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.max_item_bytes = min(max_bytes // 16 if max_item_bytes is None else max_item_bytes, max_bytes // 2)
+        self._size = size
+        self._lock = threading.Lock()
+        self.fresh: dict = {}
+        self.old: dict = {}
+        self._fresh_bytes = self._old_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.fresh) + len(self.old)
+
+    @property
+    def bytes(self) -> int:
+        """The bytes held now, as counted (never above ``max_bytes``)."""
+        return self._fresh_bytes + self._old_bytes
+
+    def get(self, key: Hashable, default=None):
+        value = self.fresh.get(key)
+        if value is not None:
+            return value
+        if key in self.old:
+            with self._lock:
+                value = self.old.pop(key, None)
+                if value is not None:
+                    nbytes = self._size(key, value)
+                    self._old_bytes -= nbytes
+                    self._insert(key, value, nbytes)
+                    return value
+        return default
+
+    def put(self, key: Hashable, value) -> bool:
+        """Store ``value`` (not None) unless it is too large alone; True if stored."""
+        nbytes = self._size(key, value)
+        if nbytes > self.max_item_bytes:
+            return False
+        with self._lock:
+            if key in self.old:
+                self._old_bytes -= self._size(key, self.old.pop(key))
+            if key in self.fresh:
+                self._fresh_bytes -= self._size(key, self.fresh.pop(key))
+            self._insert(key, value, nbytes)
+        return True
+
+    def _insert(self, key, value, nbytes: int) -> None:  # under the lock
+        if len(self.fresh) >= self.max_entries // 2 or self._fresh_bytes + nbytes > self.max_bytes // 2:
+            self.old, self._old_bytes = self.fresh, self._fresh_bytes
+            self.fresh, self._fresh_bytes = {}, 0
+        self.fresh[key] = value
+        self._fresh_bytes += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self.fresh, self.old = {}, {}
+            self._fresh_bytes = self._old_bytes = 0
+
+
+def deep_sizeof(obj) -> int:
+    """Bytes of ``obj`` and of everything it holds (containers, dataclass fields), each object
+    counted once: what a cache entry keeps alive, as ``sys.getsizeof`` measures it."""
+    seen: set = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        total += str_bytes(item) if isinstance(item, str) else sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in fields(item))
+    return total
+
+
+def str_bytes(s: str) -> int:
+    """sys.getsizeof of a str, as a function of its content alone: a non-ASCII str grows
+    once its UTF-8 form is cached in it (the tokenizer asks for it), so it is counted with
+    room for that (4 bytes a character each way, at most), and its count never changes."""
+    return sys.getsizeof(s) if s.isascii() else 81 + 8 * len(s)
+
+
+def _word_entry_size(word: str, ids: tuple) -> int:
+    return str_bytes(word) + sys.getsizeof(ids) + INT_BYTES * len(ids) + DICT_ENTRY_BYTES
+
+
+def _pieces_entry_size(token: str, pieces: list) -> int:
+    return str_bytes(token) + sys.getsizeof(pieces) + sum(map(str_bytes, pieces)) + DICT_ENTRY_BYTES
+
+
+def _slot_run_size(key: tuple, run: list) -> int:
+    return sys.getsizeof(run) + len(run) * (sys.getsizeof(("text", 0, 0)) + INT_BYTES) + 200 + DICT_ENTRY_BYTES
+
+
+def _stand_in_size(c: str, stand_in: str) -> int:
+    return str_bytes(c) + DICT_ENTRY_BYTES  # stand-ins are shared one-character strings
+
+
+class TokenCache:
+    """GLiNER2's ``processor._tokenize_cached`` (token -> subword pieces), bounded in bytes as
+    well as entries; tokens over ``MAX_CACHED_WORD_CHARS`` are tokenized and not kept.
+    ``uncached``: the tokenizer's own function, for callers that cache the result themselves.
+    Inside ``deferred()`` new pieces are collected instead of cached, for ``keep`` to cache
+    once the caller knows they are worth it (a schema is parsed before it can be refused)."""
+
+    def __init__(self, tokenize: Callable[[str], list]):
+        self.uncached = tokenize
+        self.cache = BoundedCache(TOKEN_CACHE_SIZE, TOKEN_CACHE_BYTES, _pieces_entry_size)
+        self._pending: Optional[dict] = None
+
+    def __call__(self, token: str) -> list:
+        pieces = self.cache.get(token)
+        if pieces is None:
+            pending = self._pending
+            pieces = pending.get(token) if pending is not None else None
+            if pieces is None:
+                pieces = self.uncached(token)
+                if len(token) <= MAX_CACHED_WORD_CHARS:
+                    if pending is not None:
+                        pending[token] = pieces
+                    else:
+                        self.cache.put(token, pieces)
+        return pieces
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Collect new entries in the dict yielded rather than cache them. Not nested; two
+        threads parsing at once may cache or drop each other's entries (answers are the same)."""
+        pending = self._pending = {}
+        try:
+            yield pending
+        finally:
+            self._pending = None
+
+    def keep(self, pending: dict) -> None:
+        for token, pieces in pending.items():
+            self.cache.put(token, pieces)
+
 
 # GLiNER2's whitespace splitter, specialised to ASCII text. Its word class is \w plus every
 # Unicode combining mark plus ZWNJ/ZWJ; none of those extras is ASCII, so on ASCII input
@@ -84,20 +296,33 @@ class SchemaPart:
 class RecordBuilder:
     def __init__(self, processor):
         self.processor = processor
-        self._word_ids = lru_cache(maxsize=WORD_CACHE_SIZE)(self._word_ids_uncached)
+        # GLiNER2's token cache has no byte bound: the processor gets a bounded one (the same
+        # answers: both cache the tokenizer's deterministic tokenize); a test's stand-in stays inside
+        tokenize = getattr(processor, "_tokenize_cached", None)
+        if tokenize is not None and not isinstance(tokenize, TokenCache):
+            processor._tokenize_cached = TokenCache(getattr(tokenize, "__wrapped__", tokenize))
+        self.word_cache = BoundedCache(WORD_CACHE_SIZE, WORD_CACHE_BYTES, _word_entry_size)
         self._ascii_fast_path = type(processor.word_splitter) is WhitespaceTokenSplitter
         # ("text", index, num_schemas) tuples are immutable: share them between records
-        self._slot_runs: dict[tuple[int, int], list] = {}
-        self._stand_in: dict[str, str] = {}  # non-ASCII character -> its stand-in ("" = none)
+        self.slot_runs = BoundedCache(SLOT_RUN_CACHE_SIZE, SLOT_RUN_CACHE_BYTES, _slot_run_size)
+        # non-ASCII character -> its stand-in ("" = none)
+        self.stand_ins = BoundedCache(STAND_IN_CACHE_SIZE, STAND_IN_CACHE_BYTES, _stand_in_size)
         self._elements = _pattern_elements() if self._ascii_fast_path else []
+
+    def caches(self) -> dict[str, BoundedCache]:
+        """Every cache this builder fills, by name (GLiNER2's token cache as "tokens")."""
+        found = {"words": self.word_cache, "slot_runs": self.slot_runs, "stand_ins": self.stand_ins}
+        tokenize = getattr(self.processor, "_tokenize_cached", None)
+        if isinstance(tokenize, TokenCache):
+            found["tokens"] = tokenize.cache
+        return found
 
     def _text_slots(self, first: int, schemas: int, count: int) -> list:
         """The mapped-index tuples ("text", first + k, schemas) for k < count (a shared list's slice)."""
-        run = self._slot_runs.get((first, schemas))
+        run = self.slot_runs.get((first, schemas))
         if run is None or len(run) < count:
-            if len(self._slot_runs) > 4096:
-                self._slot_runs.clear()
-            run = self._slot_runs[first, schemas] = [("text", first + k, schemas) for k in range(max(count, 512))]
+            run = [("text", first + k, schemas) for k in range(max(count, 512))]
+            self.slot_runs.put((first, schemas), run)
         return run[:count]
 
     def words(self, text: str):
@@ -125,9 +350,10 @@ class RecordBuilder:
         for c in set(text):
             if c.isascii():
                 continue
-            stand_in = self._stand_in.get(c)
+            stand_in = self.stand_ins.get(c)
             if stand_in is None:
-                stand_in = self._stand_in[c] = self._find_stand_in(c)
+                stand_in = self._find_stand_in(c)
+                self.stand_ins.put(c, stand_in)
             if not stand_in:
                 return None
             table[ord(c)] = stand_in
@@ -143,9 +369,36 @@ class RecordBuilder:
     def _word_ids_uncached(self, word: str) -> tuple:
         p = self.processor
         pieces = p._token_cache.get(word)
-        if pieces is None:
-            pieces = p._tokenize_cached(word)
+        if pieces is None:  # the word cache keeps the ids: GLiNER2's token cache need not keep the pieces
+            tokenize = p._tokenize_cached
+            pieces = getattr(tokenize, "uncached", tokenize)(word)
         return tuple(p.tokenizer.convert_tokens_to_ids(pieces))
+
+    def word_ids(self, words: list) -> tuple[list, Optional[dict]]:
+        """Each word's subword ids, and the ids computed here for words the cache missed (to
+        be kept with ``keep_words`` once the request is accepted; None if nothing missed)."""
+        ids = list(map(self.word_cache.fresh.get, words))
+        if None not in ids:
+            return ids, None
+        computed: dict = {}
+        cache = self.word_cache
+        for k, word in enumerate(words):
+            if ids[k] is None:
+                found = cache.get(word)
+                if found is None:
+                    found = computed.get(word)
+                    if found is None:
+                        found = computed[word] = self._word_ids_uncached(word)
+                ids[k] = found
+        return ids, computed
+
+    def keep_words(self, computed: Optional[dict]) -> None:
+        """Cache the ids ``word_ids`` computed (words over MAX_CACHED_WORD_CHARS excepted)."""
+        if computed:
+            put = self.word_cache.put
+            for word, ids in computed.items():
+                if len(word) <= MAX_CACHED_WORD_CHARS:
+                    put(word, ids)
 
     def schema_part(self, schema_dict: dict) -> SchemaPart:
         """The schema-dependent half of a record (callers cache it per schema)."""
@@ -166,15 +419,19 @@ class RecordBuilder:
             schema_special_positions=probe.schema_special_positions,
         )
 
-    def record(self, text: str, part: SchemaPart) -> TransformedRecord:
-        """The record GLiNER2's ``transform_record(text, schema)`` would build."""
+    def record(self, text: str, part: SchemaPart, limit: Optional[int] = None) -> TransformedRecord:
+        """The record GLiNER2's ``transform_record(text, schema)`` would build. ``limit``: raise
+        TokenLimitExceeded, caching nothing, if it would hold more tokens than that."""
         p = self.processor
         text = p._normalize_text(text)
         words, starts, ends = self._split(text)
         text_tokens = list(part.prefix) + words
-        ids = list(map(self._word_ids, text_tokens))
+        ids, computed = self.word_ids(text_tokens)
         lengths = list(map(len, ids))
         offset = len(part.input_ids)
+        if limit is not None and offset + sum(lengths) > limit:
+            raise TokenLimitExceeded(offset + sum(lengths))
+        self.keep_words(computed)
         first_positions = [offset + before for before in accumulate(lengths, initial=0)][:-1]
         input_ids = list(part.input_ids)
         input_ids.extend(chain.from_iterable(ids))

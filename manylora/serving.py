@@ -189,7 +189,7 @@ class TritonModelHandler:
             try:
                 decoded.append(decode_request(lambda name, r=request: _as_numpy(pb, r, name)))
             except RequestError as exc:
-                decoded.append(exc)
+                decoded.append(exc.with_traceback(None))  # a kept traceback holds this frame: a cycle
             except Exception as exc:
                 logger.exception("decoding a request failed")
                 decoded.append(RequestError(INTERNAL, f"request could not be decoded: {type(exc).__name__}: {exc}"))
@@ -256,7 +256,7 @@ class TritonModelHandler:
             try:
                 prepared.append(self.pre.prepare(index, item))
             except RequestError as exc:
-                results[index] = exc
+                results[index] = exc.with_traceback(None)
             except Exception as exc:  # a bug must not fail the other requests of the batch
                 logger.exception("request %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
@@ -410,7 +410,7 @@ class CoreModelHandler(TritonModelHandler):
                 groups.append((len(items), len(group)))
                 items.extend(group)
             except RequestError as exc:
-                groups.append(exc)
+                groups.append(exc.with_traceback(None))
             except Exception as exc:
                 groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
         return groups, items
