@@ -162,10 +162,12 @@ def position_scores_eager(
     scores = torch.bmm(xh, th).view(heads * batch, length, window)  # the base scores, [h*B, L, W]
     if lora_b is not None:
         rank = lora_b.shape[-1]
-        b_rows = lora_b.index_select(0, row_slots.clamp(min=0))  # no-adapter rows meet a zero v
+        b_rows = lora_b.index_select(0, row_slots.clamp(min=0))  # no-adapter rows gather slot 0 ...
         v_rows = v.index_select(0, row_group)  # [B, R, W]
         xb = x.view(batch, length, heads, head).transpose(1, 2)  # [B, h, L, d]
         u = torch.matmul(xb, b_rows.view(batch, heads, head, rank))  # [B, h, L, R]
+        # ... and their u is selected away (not multiplied by a zero v: a non-finite slot 0 would give NaN)
+        u = torch.where((row_slots >= 0).view(batch, 1, 1, 1), u, torch.zeros((), dtype=u.dtype, device=u.device))
         u = u.transpose(0, 1).reshape(heads * batch, length, rank)
         v_rows = v_rows.unsqueeze(0).expand(heads, batch, rank, window).reshape(heads * batch, rank, window)
         scores.baddbmm_(u, v_rows)

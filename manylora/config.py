@@ -120,6 +120,7 @@ class EngineConfig:
     core_model: str = ""  # "" = this instance runs pre, GPU stage and post itself
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
+    cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -172,6 +173,12 @@ class EngineConfig:
             False,
             "share of its GPU's memory the GPU stage may allocate (default 0.9); weights, adapter slots and "
             "one token budget's activations must fit in it, or the model refuses to load",
+        ),
+        "cuda_graphs": (
+            _on_off,
+            False,
+            "GPU stage: 'on' (default) replays the encoder forward of each batch shape as a CUDA graph "
+            "(captured on first use; one launch instead of ~300); 'off' launches every kernel (for A/B runs)",
         ),
         "core_overlap": (
             _on_off,

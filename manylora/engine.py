@@ -167,6 +167,11 @@ class Engine:
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
             logger.info("preloaded %d adapters in %.1f s", len(loaded), time.perf_counter() - started)
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
+        self.graphs = None  # CUDA graphs of the encoder forward (manylora.graphs), on CUDA with cuda_graphs on
+        if self.device.type == "cuda" and config.cuda_graphs and config.backend == "triton":
+            from manylora.graphs import EncoderGraphs
+
+            self.graphs = EncoderGraphs(self.encoder, self.store, config.max_batch_tokens)
         # True: the heads run GLiNER2's per-row list layout (compact_batch) for every chunk, as
         # they do anyway for attribute groups; False: the dense batch layout (tests compare them)
         self.list_heads = False
@@ -341,6 +346,18 @@ class Engine:
         distinct = {id(p.adapter): p.adapter for p in chunk if p.adapter is not None}.values()
         targets = {name for adapter in distinct for name in adapter.modules}
         targets &= self.encoder_targets
+        if self.graphs is not None:
+            used = [s for s in slot_per_row if s >= 0]
+            hidden = self.graphs.run(
+                input_ids,
+                attention_mask,
+                slot_per_row,
+                targets,
+                self.encoder.lora_write_first and len(used) == len(slot_per_row),
+                max((self.store.owner(s).rank for s in set(used)), default=0),
+            )
+            if hidden is not None:
+                return batch, hidden, slot_per_row
         if targets:
             if input_ids.numel() > self.meta_builder.max_tokens:  # one request above the budget
                 self.meta_builder = SgmvMetaBuilder(input_ids.numel(), self.device)

@@ -25,6 +25,8 @@ Designs (--design, several run one after the other, each with its own server):
             gliner2_core: --core-instances per GPU holding the engine (the committed layout)
   pipeline-serial  the same with gliner2_core's core_overlap off: each GPU-stage batch parsed,
             run and answered in turn (the A/B of the overlap, in the same run)
+  pipeline-eager  the same with gliner2_core's cuda_graphs off: every encoder kernel launched
+            from Python (the A/B of the CUDA graphs, in the same run)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -63,7 +65,8 @@ from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributi
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 FRONT, CORE = "gliner2", "gliner2_core"
-DESIGNS = ("pipeline", "pipeline-serial", "single")  # pipeline-serial: core_overlap off
+DESIGNS = ("pipeline", "pipeline-serial", "pipeline-eager", "single")  # core_overlap / cuda_graphs off
+CORE_OVERRIDES = {"pipeline-serial": {"core_overlap": "off"}, "pipeline-eager": {"cuda_graphs": "off"}}
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"
@@ -193,7 +196,7 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
         _write_model(
             dst,
             CORE,
-            {**params, **({"core_overlap": "off"} if layout.design == "pipeline-serial" else {})},
+            {**params, **CORE_OVERRIDES.get(layout.design, {})},
             count=layout.core_instances,
             kind="KIND_GPU" if layout.gpus else None,  # no kind: count on each GPU (KIND_CPU without one)
             gpus=layout.gpus,
@@ -260,8 +263,11 @@ def design_of(summary: Mapping) -> str:
     core = summary[FRONT].get("parameters", {}).get("core_model", "none").strip()
     if core in ("", "none"):
         return "single"
-    overlap = summary.get(CORE, {}).get("parameters", {}).get("core_overlap", "on").strip()
-    return "pipeline-serial" if overlap == "off" else "pipeline"
+    parameters = summary.get(CORE, {}).get("parameters", {})
+    for design, overrides in CORE_OVERRIDES.items():
+        if all(parameters.get(k, "on").strip() == v for k, v in overrides.items()):
+            return design
+    return "pipeline"
 
 
 # ---------------------------------------------------------------------------- perf_analyzer

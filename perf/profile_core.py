@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--adapters-in-flight", type=int, default=0)
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="gliner2_core's cuda_graphs")
     p.add_argument("--out", type=Path, default=Path("perf/results/profile-core"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -41,7 +42,12 @@ def main(argv=None) -> int:
     from manylora.engine import Engine, Request, freeze_long_lived
 
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    params = {"checkpoint": str(args.checkpoint), "max_lora_rank": "16", "cpu_threads": "2"}
+    params = {
+        "checkpoint": str(args.checkpoint),
+        "max_lora_rank": "16",
+        "cpu_threads": "2",
+        "cuda_graphs": args.cuda_graphs,
+    }
     names: list[str] = []
     if args.adapters and args.adapters_in_flight:
         params.update(
@@ -80,8 +86,10 @@ def main(argv=None) -> int:
     sync()
     profile.disable()
     best = min(walls)
+    graphs = "" if engine.graphs is None else f", graphs {engine.graphs.stats}"
     lines = [
-        f"device {device}, rows {args.rows}, adapters {len(names)}: run_core {best * 1e3:.1f} ms "
+        f"device {device}, rows {args.rows}, adapters {len(names)}, cuda_graphs {args.cuda_graphs}{graphs}: "
+        f"run_core {best * 1e3:.1f} ms "
         f"= {best * 1e3 / args.rows:.3f} ms/row ({args.rows / best:.0f} rows/s), walls {[round(w, 3) for w in walls]}"
     ]
     if device.startswith("cuda"):  # the GPU's own time: the bound if host work hid behind it entirely

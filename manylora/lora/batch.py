@@ -160,11 +160,14 @@ class LoraBatch:
                 for k, name in enumerate(part):
                     torch.index_select(store.a[name], 0, self.group_slots, out=a[k])
                 scales = torch.stack([store.scales[name] for name in part]).index_select(1, self.group_slots)
-                scales = scales * self.group_has_adapter  # [N, G]; base rows get 0
                 with _exact_tf32(a.dtype, window.dtype):
                     v = torch.matmul(a.view(-1, hidden).float(), window.float().t())  # [N*G*R, W]
                 del a
-                v = v.view(len(part), groups, rank, -1).mul_(scales[:, :, None, None]).to(window.dtype)
+                v = v.view(len(part), groups, rank, -1).mul_(scales[:, :, None, None])
+                # the no-adapter group read slot 0: its factors are selected away, never multiplied
+                # by zero (a non-finite slot 0 would give NaN x 0 = NaN to base rows)
+                has = (self.group_has_adapter != 0)[None, :, None, None]
+                v = torch.where(has, v, torch.zeros((), dtype=v.dtype, device=v.device)).to(window.dtype)
                 for k, name in enumerate(part):
                     self._positions[name] = PositionLora(store.b[name], v[k], self.row_slots, self.row_group)
 

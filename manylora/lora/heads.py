@@ -63,13 +63,17 @@ class HeadLoraLinear(nn.Module):
             delta = nn.functional.linear(nn.functional.linear(x, a_all[slot]), b_all[slot])
             return y + delta * scales[slot].to(y.dtype)
         slots = self.rows
-        index = slots.clamp(min=0)
-        scale = scales.index_select(0, index) * (slots >= 0)  # [N]
+        index = slots.clamp(min=0)  # base rows (-1) gather slot 0 ...
+        scale = scales.index_select(0, index)  # [N]
         n = x.shape[0]
         flat = x.reshape(n, -1, x.shape[-1])  # [N, M, in]
         v = torch.bmm(flat, a_all.index_select(0, index).transpose(1, 2))  # [N, M, R]
         delta = torch.bmm(v, b_all.index_select(0, index).transpose(1, 2))  # [N, M, out]
-        return y + (delta * scale.view(n, 1, 1).to(delta.dtype)).reshape(y.shape)
+        delta = delta * scale.view(n, 1, 1).to(delta.dtype)
+        # ... and their update is selected away, never multiplied by zero: a non-finite slot 0
+        # would make NaN x 0 = NaN for them
+        delta = torch.where((slots >= 0).view(n, 1, 1), delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+        return y + delta.reshape(y.shape)
 
 
 class HeadLoras:

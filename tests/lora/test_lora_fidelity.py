@@ -112,6 +112,7 @@ def test_position_kernel_equals_the_eager_path_in_the_engine(tiny_checkpoint, de
     values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
     values["dtype"] = "float32"  # "auto" is bfloat16 on CUDA, where 1-ulp score changes move answers
     engine = Engine(EngineConfig.from_parameters(values, device=device))
+    engine.graphs = None  # every forward runs eagerly: a replayed graph would not see the patches below
     engine.encoder.backend = "triton"  # the position and bias kernels; SGMV on the device's default
     assert engine.dtype == torch.float32
     names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]

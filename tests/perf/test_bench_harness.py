@@ -582,3 +582,13 @@ def test_main_goes_on_when_a_design_does_not_start(tmp_path, monkeypatch, capsys
     assert [r["design"] for r in rows] == ["pipeline"]
     assert "the single server did not start" in capsys.readouterr().out
     assert (tmp_path / "main.single.tritonserver.log").read_text() == "server log\n", "its log is kept"
+
+
+def test_bench_repository_pipeline_eager_turns_the_cuda_graphs_off(tmp_path, engine_params):
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-eager"))
+    core = _parse_config(repo / "gliner2_core" / "config.pbtxt")
+    assert _params(core) == {**engine_params, "cuda_graphs": "off"}
+    assert _engine_config(core).cuda_graphs is False and _engine_config(core).core_overlap is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-eager"
+    committed = bench_server.bench_repository(tmp_path / "on", engine_params, bench_server.Layout(design="pipeline"))
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).cuda_graphs is True

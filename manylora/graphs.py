@@ -1,0 +1,251 @@
+"""CUDA graphs of the encoder forward: one graph per (rows bucket, padded length, LoRA variant).
+
+Why (H200 profiles, ``perf/h200-2026-12-01/session8/*profile-core*``): one encoder forward with
+LoRA issues ~300 kernel launches (180 of them Triton launches at ~40 us of host time each). A
+single LoRA row cost 19.2 ms of host time for 2.0 ms of GPU time, a single base row 10.5 ms for
+1.1 ms; at saturation the ~20 ms of launches per chunk are host time of the one GPU-stage
+process that the GPU waits for. A replayed graph issues the whole forward in one call.
+
+How:
+
+* A graph is captured lazily, the first time its key is met, after one eager warm-up run of the
+  same shape (which compiles the Triton kernels and fills the shape caches). Keys are (rows
+  bucket, padded length, the batch's LoRA targets, writes-first, rank tile): the captured
+  kernels are exactly those the eager forward of that shape would launch.
+* Rows are padded up to the bucket with rows of pad tokens and a zero attention mask; a padding
+  row takes the last real row's adapter slot, so the slot order and the "every row has an
+  adapter" property of the batch are kept. Rows are independent in the encoder (attention,
+  LayerNorm and the LoRA updates are per row), so padding rows change no real row.
+* Inputs live in static buffers: token ids and mask, the SGMV tile buffer (the same fixed-address
+  buffer the eager path fills, ``kernels.meta``), and the per-row slot / group tensors of the
+  position factors, where in a graph every row is its own group (the factor count no longer
+  depends on how many adapters the batch has). The SGMV kernels walk their tiles with a grid
+  stride, so a graph captured with the bound grid of its shape serves any slot layout.
+* Every graph writes its output into one shared buffer: the returned hidden states are valid
+  until the next replay (the engine reads them before it runs another forward).
+* All graphs share one memory pool: they never run at once, so intermediates are shared.
+
+Graphs are used for shapes of at most ``max_tokens`` padded tokens and ``max_length`` tokens per
+row; larger forwards, and keys beyond ``max_graphs``, run eagerly. A capture that fails (out of
+memory, an operation that cannot be captured) marks its key eager, logged once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from manylora.kernels import SgmvMetaBuilder
+from manylora.kernels.launch_config import rank_block
+from manylora.kernels.meta import SgmvMeta, SgmvTiles
+from manylora.lora.batch import LoraBatch
+
+logger = logging.getLogger(__name__)
+
+# Rows buckets: fine steps where a padding row is a large share of the batch, then steps of 32
+# (at most ~1/8 padding from 256 rows up).
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256) + tuple(
+    range(288, 1025, 32)
+)
+
+
+def row_bucket(rows: int) -> Optional[int]:
+    """The smallest bucket holding ``rows`` rows, None above the largest."""
+    i = bisect.bisect_left(ROW_BUCKETS, rows)
+    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else None
+
+
+class StaticLoraBatch(LoraBatch):
+    """``LoraBatch`` over static tensors for a graph of ``rows`` x ``row_len`` tokens.
+
+    ``fill`` writes a batch's slots into them before each replay (two small host-to-GPU copies,
+    no synchronisation). Every row is its own position-factor group."""
+
+    def __init__(
+        self,
+        store,
+        meta_builder: SgmvMetaBuilder,
+        rows: int,
+        row_len: int,
+        targets,
+        backend: str,
+        write_first: bool,
+        max_rank: int,
+    ):
+        self.store = store
+        self.backend = backend
+        self.targets = set(targets)
+        self.write_first = write_first
+        self.builder = meta_builder
+        self.rows, self.row_len, self.max_rank = rows, row_len, max_rank
+        device = store.device
+        # [3, rows] int32: row slot (-1 none), its slot clamped at 0 (the gather index), has-adapter (0/1)
+        self._slots = torch.zeros(3, rows, dtype=torch.int32, device=device)
+        self.row_slots = self._slots[0]
+        self.group_slots = self._slots[1]
+        self.group_has_adapter = self._slots[2]
+        self.row_group = torch.arange(rows, dtype=torch.int32, device=device)
+        self._scratch: dict = {}
+        self._positions: dict = {}
+        self._positions_window = None
+        self.meta: Optional[SgmvMeta] = None
+
+    def fill(self, slot_per_row: list[int]) -> None:
+        """This batch's slots (already padded to ``rows``): the SGMV tiles and the slot tensors."""
+        meta = self.builder.build(
+            slot_per_row=torch.tensor(slot_per_row, dtype=torch.int32), row_len=self.row_len, max_rank=self.max_rank
+        )
+        if self.meta is None:  # the first fill (the warm-up): fix the grids at their bound for this shape
+            tokens = self.rows * self.row_len
+            tiles = {}
+            for bm, t in meta.tiles_by_block_m.items():
+                bound = min(self.builder._tile_cap, -(-tokens // bm) + self.rows)
+                tiles[bm] = SgmvTiles(block_m=bm, packed=t.packed, grid_bound=bound)
+            meta = SgmvMeta(
+                num_tokens=meta.num_tokens,
+                device=meta.device,
+                seg_starts=meta.seg_starts,
+                seg_slots=meta.seg_slots,
+                num_segments=meta.num_segments,
+                segments_bound=self.rows,
+                max_rank=self.max_rank,
+                tiles_by_block_m=tiles,
+            )
+            self.meta = meta
+        values = torch.tensor(
+            [slot_per_row, [max(s, 0) for s in slot_per_row], [int(s >= 0) for s in slot_per_row]], dtype=torch.int32
+        )
+        self._slots.copy_(values.pin_memory(), non_blocking=True)
+
+    def forget_scratch(self) -> None:
+        """Drop the warm-up's temporaries, so that the capture allocates its own in the graph pool."""
+        self._scratch = {}
+        self._positions = {}
+        self._positions_window = None
+
+
+class _Graph:
+    def __init__(self, rows: int, length: int, lora: Optional[StaticLoraBatch], ids_dtype, mask_dtype, device):
+        self.rows, self.length, self.lora = rows, length, lora
+        self.input_ids = torch.zeros(rows, length, dtype=ids_dtype, device=device)
+        self.attention_mask = torch.zeros(rows, length, dtype=mask_dtype, device=device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+
+
+class EncoderGraphs:
+    """Lazily captured CUDA graphs of ``encoder``'s forward; ``run`` replays (or captures) one."""
+
+    def __init__(self, encoder, store, max_tokens: int, max_length: int = 512, max_graphs: int = 512):
+        self.encoder = encoder
+        self.store = store
+        self.device = store.device
+        self.max_tokens = max_tokens
+        self.max_length = max_length
+        self.max_graphs = max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.meta_builder = SgmvMetaBuilder(max_tokens, self.device)
+        hidden = encoder.geometry.hidden_size
+        self.output = torch.empty(max_tokens * hidden, dtype=encoder.word_embeddings.dtype, device=self.device)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.eager: set[tuple] = set()  # keys whose capture failed
+        self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_seconds": 0.0}
+        self._lock = threading.Lock()
+
+    def key(self, rows: int, length: int, slot_per_row, targets, write_first: bool, max_rank: Optional[int]):
+        bucket = row_bucket(rows)
+        if bucket is None or length > self.max_length or bucket * length > self.max_tokens:
+            return None
+        if not targets:
+            return (bucket, length, None, False, 0)
+        return (bucket, length, frozenset(targets), bool(write_first), rank_block(max_rank or self.store.max_rank))
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        slot_per_row: list[int],
+        targets,
+        write_first: bool,
+        max_rank: Optional[int],
+    ) -> Optional[torch.Tensor]:
+        """The encoder's hidden states [rows, length, H] through a graph (a view of the shared
+        output buffer, valid until the next replay); None: this shape runs eagerly."""
+        rows, length = input_ids.shape
+        key = self.key(rows, length, slot_per_row, targets, write_first, max_rank)
+        if key is None or key in self.eager:
+            self.stats["eager"] += 1
+            return None
+        with self._lock:
+            graph = self.graphs.get(key)
+            if graph is None:
+                if len(self.graphs) >= self.max_graphs:
+                    self.stats["eager"] += 1
+                    return None
+                graph = self._capture(key, input_ids, attention_mask, slot_per_row)
+                if graph is None:
+                    return None
+            self._fill(graph, input_ids, attention_mask, slot_per_row)
+            graph.graph.replay()
+            self.stats["replays"] += 1
+            hidden = self.encoder.geometry.hidden_size
+            return self.output[: graph.rows * length * hidden].view(graph.rows, length, hidden)[:rows]
+
+    def _fill(self, graph: _Graph, input_ids, attention_mask, slot_per_row) -> None:
+        rows = input_ids.shape[0]
+        graph.input_ids[:rows].copy_(input_ids)
+        graph.attention_mask[:rows].copy_(attention_mask)
+        if rows < graph.rows:
+            graph.input_ids[rows:].zero_()
+            graph.attention_mask[rows:].zero_()
+        if graph.lora is not None:
+            graph.lora.fill(list(slot_per_row) + [slot_per_row[-1]] * (graph.rows - rows))
+
+    def _forward(self, graph: _Graph) -> torch.Tensor:
+        out = self.encoder(graph.input_ids, graph.attention_mask, graph.lora)
+        flat = self.output[: out.numel()].view_as(out)
+        flat.copy_(out)
+        return flat
+
+    def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
+        rows, length, targets, write_first, rank_tile = key
+        started = time.perf_counter()
+        lora = None
+        if targets is not None:
+            lora = StaticLoraBatch(
+                self.store,
+                self.meta_builder,
+                rows,
+                length,
+                targets,
+                self.encoder.backend or "triton",
+                write_first,
+                rank_tile,
+            )
+        graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
+        try:
+            self._fill(graph, input_ids, attention_mask, slot_per_row)
+            with torch.inference_mode():
+                self._forward(graph)  # warm-up: compiles kernels, fills the shape caches
+                if lora is not None:
+                    lora.forget_scratch()
+                torch.cuda.synchronize(self.device)
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
+                    self._forward(graph)
+            graph.graph = cuda_graph
+        except Exception as exc:  # out of memory, an uncapturable op: this key stays eager
+            logger.warning(
+                "CUDA graph capture of %s failed (%s: %s); that shape runs eagerly", key[:2], type(exc).__name__, exc
+            )
+            self.eager.add(key)
+            torch.cuda.synchronize(self.device)
+            return None
+        self.graphs[key] = graph
+        self.stats["captures"] += 1
+        self.stats["capture_seconds"] += time.perf_counter() - started
+        return graph

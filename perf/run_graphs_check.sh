@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU stage's CUDA graphs on a GPU host, in one go: the GPU tests that cover them, then
+# perf/profile_core.py with cuda_graphs on and off (one row and 1,024 rows; base and 1,024
+# rank-16 adapters), the A/B in one run. Prints one line per profile; full tables under $OUT.
+#     OUT=perf/results/graphs bash perf/run_graphs_check.sh
+set -u
+M=${M:-/tmp/manylora-models}
+OUT=${OUT:-perf/results/graphs}
+mkdir -p "$M" "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+[ -d "$M/demo-base" ] || python3 -m manylora.demo --size base --out "$M/demo-base" >/dev/null
+[ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
+    --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
+if [ "${TESTS:-1}" = 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/engine/test_cuda_graphs.py tests/engine/test_gpu_memory.py \
+        tests/engine/test_dense_heads.py tests/lora/test_lora_fidelity.py} >"$OUT/pytest.txt" 2>&1
+    tail -3 "$OUT/pytest.txt"
+fi
+for rows in ${ROWS:-1 1024}; do
+    for adapters in 0 1024; do
+        for graphs in on off; do
+            name="rows$rows-adapters$adapters-graphs-$graphs"
+            extra=()
+            [ "$adapters" = 0 ] || extra=(--adapters "$M/bench-adapters" --adapters-in-flight "$adapters")
+            python3 perf/profile_core.py --checkpoint "$M/demo-base" "${extra[@]}" --rows "$rows" \
+                --cuda-graphs "$graphs" --out "$OUT/$name" >"$OUT/$name.txt" 2>&1
+            echo "$name: $(grep -h -E '^device|^GPU kernel' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
+        done
+    done
+done

@@ -1,0 +1,112 @@
+"""CUDA graphs of the encoder forward (manylora.graphs) and row isolation (issue 17, item 1).
+
+On a GPU: answers through replayed graphs equal the eager forward's and GLiNER2 + PEFT's, for
+batches that fill their row bucket and batches padded up to it. Everywhere: a row's answer does
+not depend on what other GPU slots hold, even non-finite values (base rows once read slot 0
+times zero, and NaN x 0 is NaN)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from manylora.compare import result_differences
+from manylora.config import EngineConfig
+from manylora.demo import demo_schemas, demo_texts
+from manylora.engine import Engine, Request
+from manylora.graphs import ROW_BUCKETS, row_bucket
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+
+
+def _engine(checkpoint, adapters_root, device, **parameters) -> Engine:
+    values = {"checkpoint": str(checkpoint), "adapter_dir": str(adapters_root), "dtype": "float32"}
+    values.update({k: str(v) for k, v in parameters.items()})
+    return Engine(EngineConfig.from_parameters(values, device=device))
+
+
+def _requests(names, count, seed):
+    texts = demo_texts(count, seed=seed, min_words=8, max_words=30)
+    schemas = demo_schemas()
+    return [
+        Request(t, json.dumps(schemas[i % len(schemas)]), adapter=names[i % len(names)], include_confidence=True)
+        for i, t in enumerate(texts)
+    ]
+
+
+def test_row_buckets_hold_every_row_count_up_to_the_largest():
+    assert list(ROW_BUCKETS) == sorted(set(ROW_BUCKETS))
+    for rows in range(1, ROW_BUCKETS[-1] + 1):
+        bucket = row_bucket(rows)
+        assert bucket >= rows
+        smaller = [b for b in ROW_BUCKETS if b < bucket]
+        assert not smaller or smaller[-1] < rows, f"{rows} rows: {bucket} is not the smallest bucket"
+        assert bucket - rows < max(2, bucket // 3), f"{rows} rows padded to {bucket}: a third padding or more"
+        assert rows <= 256 or bucket - rows < 32, f"{rows} rows padded to {bucket}"
+    assert row_bucket(ROW_BUCKETS[-1] + 1) is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
+def test_non_finite_slots_never_reach_other_rows(tiny_checkpoint, demo_adapters, device):
+    """Every GPU slot but the one adapter in the batch is overwritten with NaN (slot 0 among
+    them); base rows and that adapter's rows answer exactly as before."""
+    root = next(iter(demo_adapters.values())).parent
+    engine = _engine(tiny_checkpoint, root, device, max_gpu_adapters=4)
+    engine.run(_requests(["enc-heads-r16", "qv-r8", "patterns-r12"], 3, seed=3))  # three of four slots taken
+    requests = _requests(["", "enc-heads-r16"], 8, seed=21)  # base rows and an adapter with head LoRA
+    clean = engine.run(requests)
+    used = engine.store.acquire([engine.store.get("enc-heads-r16")])["enc-heads-r16"]
+    poisoned = [s for s in range(engine.store.gpu_slots) if s != used]
+    assert used != 0, "slot 0, which base rows gather, must be one of the poisoned ones"
+    with torch.no_grad():
+        for slot in poisoned:
+            engine.store._slab[slot].fill_(float("nan"))
+            engine.store._scale_table[:, slot] = float("nan")
+    again = engine.run(requests)
+    assert all(isinstance(r, dict) for r in again)
+    assert [result_differences(a, b, atol=0) for a, b in zip(again, clean)] == [[]] * len(requests)
+
+
+@needs_cuda
+def test_graphs_answer_like_the_eager_forward_and_peft(tiny_checkpoint, demo_adapters, peft_reference):
+    from gliner2.inference.schema import Schema
+
+    root = next(iter(demo_adapters.values())).parent
+    graphs = _engine(tiny_checkpoint, root, "cuda:0", max_gpu_adapters=8)
+    eager = _engine(tiny_checkpoint, root, "cuda:0", max_gpu_adapters=8, cuda_graphs="off")
+    assert graphs.graphs is not None and eager.graphs is None
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
+    cases = [
+        _requests(names, 1, seed=1),  # one row (bucket 1)
+        _requests(names, 5, seed=2),  # 5 rows padded to 6: mixed, with base rows
+        _requests(["enc-r8", "qv-r8"], 7, seed=3),  # every row has an adapter (written first), padded to 8
+        _requests([""], 4, seed=4),  # base rows only: the graph without LoRA
+        _requests(names, 37, seed=5),  # 37 rows in chunks of one length each, padded
+    ]
+    for requests in cases + cases:  # the second pass replays what the first captured
+        got, want = graphs.run(requests), eager.run(requests)
+        diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(got, want)]
+        assert diffs == [[]] * len(requests)
+    stats = graphs.graphs.stats
+    assert stats["captures"] >= 4 and stats["replays"] >= 2 * stats["captures"], stats
+    for request, answer in zip(cases[1], graphs.run(cases[1])):
+        model = peft_reference(demo_adapters[request.adapter] if request.adapter else None)
+        (expected,) = model.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
+        assert result_differences(answer, expected, atol=1e-4) == []
+
+
+@needs_cuda
+def test_shapes_beyond_the_graph_limits_run_eagerly(tiny_checkpoint, demo_adapters):
+    root = next(iter(demo_adapters.values())).parent
+    engine = _engine(tiny_checkpoint, root, "cuda:0")
+    graphs = engine.graphs
+    assert graphs.key(ROW_BUCKETS[-1] + 1, 16, [0], set(), False, 8) is None
+    assert graphs.key(1, graphs.max_length + 16, [0], set(), False, 8) is None
+    before = dict(graphs.stats)
+    long_text = " ".join(["word"] * 700)  # > max_length tokens: eager
+    (answer,) = engine.run([Request(long_text, json.dumps({"entities": ["person"]}), adapter="enc-r8")])
+    assert isinstance(answer, dict)
+    assert graphs.stats["eager"] > before["eager"] and graphs.stats["captures"] == before["captures"]
