@@ -100,10 +100,12 @@ def check_static_memory(memory: dict, config: EngineConfig, device: str) -> None
     from manylora.config import ConfigError
 
     weights, slots, cap = memory["weights"], memory["adapter_slots"], memory["cap"]
-    if weights + slots > cap:
+    before = memory.get("before", 0)  # what this process held on the device already
+    if before + weights + slots > cap:
+        held = f"{_gib(before)} already allocated in this process + " if before else ""
         raise ConfigError(
-            f"the GPU stage does not fit {device}: weights {_gib(weights)} + {config.max_gpu_adapters} adapter "
-            f"slots of rank {config.max_lora_rank} {_gib(slots)} = {_gib(weights + slots)}, above its cap "
+            f"the GPU stage does not fit {device}: {held}weights {_gib(weights)} + {config.max_gpu_adapters} adapter "
+            f"slots of rank {config.max_lora_rank} {_gib(slots)} = {_gib(before + weights + slots)}, above its cap "
             f"{_gib(cap)} (gpu_memory_fraction {config.gpu_memory_fraction} of {_gib(memory['total'])}); lower "
             "max_gpu_adapters or max_lora_rank, or raise gpu_memory_fraction"
         )
@@ -191,6 +193,7 @@ class Engine:
             "cap": int(total * config.gpu_memory_fraction),
             "weights": parameters * torch.empty(0, dtype=self.dtype).element_size(),
             "adapter_slots": slot_bytes(shapes, config.max_lora_rank, self.dtype) * config.max_gpu_adapters,
+            "before": torch.cuda.memory_allocated(self.device),
         }
         check_static_memory(memory, config, str(self.device))
         return memory

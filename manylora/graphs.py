@@ -21,8 +21,8 @@ How:
   position factors, where in a graph every row is its own group (the factor count no longer
   depends on how many adapters the batch has). The SGMV kernels walk their tiles with a grid
   stride, so a graph captured with the bound grid of its shape serves any slot layout.
-* Every graph writes its output into one shared buffer: the returned hidden states are valid
-  until the next replay (the engine reads them before it runs another forward).
+* Every graph writes its output into one shared buffer, and ``run`` returns a copy of it: the
+  graphs' own outputs take no memory of their own, and the states stay valid after the next replay.
 * All graphs share one memory pool: they never run at once, so intermediates are shared.
 
 Graphs are used for shapes of at most ``max_tokens`` padded tokens and ``max_length`` tokens per
@@ -173,8 +173,7 @@ class EncoderGraphs:
         write_first: bool,
         max_rank: Optional[int],
     ) -> Optional[torch.Tensor]:
-        """The encoder's hidden states [rows, length, H] through a graph (a view of the shared
-        output buffer, valid until the next replay); None: this shape runs eagerly."""
+        """The encoder's hidden states [rows, length, H] through a graph; None: this shape runs eagerly."""
         rows, length = input_ids.shape
         key = self.key(rows, length, slot_per_row, targets, write_first, max_rank)
         if key is None or key in self.eager:
@@ -193,7 +192,8 @@ class EncoderGraphs:
             graph.graph.replay()
             self.stats["replays"] += 1
             hidden = self.encoder.geometry.hidden_size
-            return self.output[: graph.rows * length * hidden].view(graph.rows, length, hidden)[:rows]
+            # a copy (~15 us for a full token budget): the shared buffer is the next replay's
+            return self.output[: graph.rows * length * hidden].view(graph.rows, length, hidden)[:rows].clone()
 
     def _fill(self, graph: _Graph, input_ids, attention_mask, slot_per_row) -> None:
         rows = input_ids.shape[0]

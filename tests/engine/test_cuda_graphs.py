@@ -101,7 +101,8 @@ def test_graphs_answer_like_the_eager_forward_and_peft(tiny_checkpoint, demo_ada
 @needs_cuda
 def test_shapes_beyond_the_graph_limits_run_eagerly(tiny_checkpoint, demo_adapters):
     root = next(iter(demo_adapters.values())).parent
-    engine = _engine(tiny_checkpoint, root, "cuda:0")
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}  # the serving dtype, bfloat16
+    engine = Engine(EngineConfig.from_parameters(values, device="cuda:0"))
     graphs = engine.graphs
     assert graphs.key(ROW_BUCKETS[-1] + 1, 16, [0], set(), False, 8) is None
     assert graphs.key(1, graphs.max_length + 16, [0], set(), False, 8) is None
