@@ -171,9 +171,9 @@ class Engine:
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
         self.graphs = None  # CUDA graphs of the encoder forward (manylora.graphs), on CUDA with cuda_graphs on
         if self.device.type == "cuda" and config.cuda_graphs and config.backend == "triton":
-            from manylora.graphs import EncoderGraphs
+            from manylora.graphs import MAX_GRAPH_TOKENS, EncoderGraphs
 
-            self.graphs = EncoderGraphs(self.encoder, self.store, config.max_batch_tokens)
+            self.graphs = EncoderGraphs(self.encoder, self.store, min(config.max_batch_tokens, MAX_GRAPH_TOKENS))
         # True: the heads run GLiNER2's per-row list layout (compact_batch) for every chunk, as
         # they do anyway for attribute groups; False: the dense batch layout (tests compare them)
         self.list_heads = False
@@ -350,15 +350,8 @@ class Engine:
         targets = {name for adapter in distinct for name in adapter.modules}
         targets &= self.encoder_targets
         if self.graphs is not None:
-            used = [s for s in slot_per_row if s >= 0]
-            hidden = self.graphs.run(
-                input_ids,
-                attention_mask,
-                slot_per_row,
-                targets,
-                self.encoder.lora_write_first and len(used) == len(slot_per_row),
-                max((self.store.owner(s).rank for s in set(used)), default=0),
-            )
+            ranks = (self.store.owner(s).rank for s in set(slot_per_row) if s >= 0)
+            hidden = self.graphs.run(input_ids, attention_mask, slot_per_row, targets, max(ranks, default=0))
             if hidden is not None:
                 return batch, hidden, slot_per_row
         if targets:

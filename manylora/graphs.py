@@ -10,12 +10,12 @@ How:
 
 * A graph is captured lazily, the first time its key is met, after one eager warm-up run of the
   same shape (which compiles the Triton kernels and fills the shape caches). Keys are (rows
-  bucket, padded length, the batch's LoRA targets, writes-first, rank tile): the captured
-  kernels are exactly those the eager forward of that shape would launch.
-* Rows are padded up to the bucket with rows of pad tokens and a zero attention mask; a padding
-  row takes the last real row's adapter slot, so the slot order and the "every row has an
-  adapter" property of the batch are kept. Rows are independent in the encoder (attention,
-  LayerNorm and the LoRA updates are per row), so padding rows change no real row.
+  bucket, length bucket, the batch's LoRA targets, rank tile): the captured kernels are those the
+  eager forward of that shape launches, with each LoRA update added after its base GEMM.
+* Rows are padded up to a rows bucket, and the length up to a length bucket, with pad tokens and
+  a zero attention mask; a padding row takes the last real row's adapter slot, so the slots stay
+  sorted. Rows are independent in the encoder (attention, LayerNorm and the LoRA updates are per
+  row) and masked keys add nothing to attention, so padding changes no real token's state.
 * Inputs live in static buffers: token ids and mask, the SGMV tile buffer (the same fixed-address
   buffer the eager path fills, ``kernels.meta``), and the per-row slot / group tensors of the
   position factors, where in a graph every row is its own group (the factor count no longer
@@ -25,8 +25,9 @@ How:
   graphs' own outputs take no memory of their own, and the states stay valid after the next replay.
 * All graphs share one memory pool: they never run at once, so intermediates are shared.
 
-Graphs are used for shapes of at most ``max_tokens`` padded tokens and ``max_length`` tokens per
-row; larger forwards, and keys beyond ``max_graphs``, run eagerly. A capture that fails (out of
+Graphs are used for shapes of at most ``max_tokens`` padded tokens (MAX_GRAPH_TOKENS: small
+batches, where launches dominate) and ``max_length`` tokens per row; larger forwards, and keys
+beyond ``max_graphs``, run eagerly. A capture that fails (out of
 memory, an operation that cannot be captured) marks its key eager, logged once.
 """
 
@@ -54,10 +55,31 @@ ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 12
 )
 
 
+# Padded lengths (the engine pads rows to a multiple of 16): every length up to 128 tokens, then
+# coarser, so that a light load's few dozen shapes are captured within its first seconds.
+LENGTH_BUCKETS = tuple(range(16, 129, 16)) + tuple(range(160, 257, 32)) + tuple(range(320, 513, 64))
+
+# Graphs only for forwards of at most this many padded tokens. Measured on the H200
+# (perf/h200-2026-12-01/session9/): at 1,024 rows in chunks of ~256 the eager forward's launches
+# already hide behind the GPU (run_core 0.339 ms/row eager, 0.333 with graphs), while a single row
+# went from 36.7 to 10.0 ms (LoRA) and 9.5 to 4.1 ms (base). Large shapes are many (rows x length)
+# and each costs a capture: through tritonserver, graphs for every shape lost 20% at saturation.
+MAX_GRAPH_TOKENS = 16384
+
+
+def _bucket(buckets: tuple, n: int) -> Optional[int]:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
 def row_bucket(rows: int) -> Optional[int]:
     """The smallest bucket holding ``rows`` rows, None above the largest."""
-    i = bisect.bisect_left(ROW_BUCKETS, rows)
-    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else None
+    return _bucket(ROW_BUCKETS, rows)
+
+
+def length_bucket(length: int) -> Optional[int]:
+    """The smallest length bucket holding ``length`` tokens, None above the largest."""
+    return _bucket(LENGTH_BUCKETS, length)
 
 
 class StaticLoraBatch(LoraBatch):
@@ -140,7 +162,9 @@ class _Graph:
 class EncoderGraphs:
     """Lazily captured CUDA graphs of ``encoder``'s forward; ``run`` replays (or captures) one."""
 
-    def __init__(self, encoder, store, max_tokens: int, max_length: int = 512, max_graphs: int = 512):
+    def __init__(
+        self, encoder, store, max_tokens: int = MAX_GRAPH_TOKENS, max_length: int = 512, max_graphs: int = 512
+    ):
         self.encoder = encoder
         self.store = store
         self.device = store.device
@@ -148,6 +172,7 @@ class EncoderGraphs:
         self.max_length = max_length
         self.max_graphs = max_graphs
         self.pool = torch.cuda.graph_pool_handle()
+        self.capture_stream = torch.cuda.Stream(self.device)
         self.meta_builder = SgmvMetaBuilder(max_tokens, self.device)
         hidden = encoder.geometry.hidden_size
         self.output = torch.empty(max_tokens * hidden, dtype=encoder.word_embeddings.dtype, device=self.device)
@@ -156,13 +181,14 @@ class EncoderGraphs:
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_seconds": 0.0}
         self._lock = threading.Lock()
 
-    def key(self, rows: int, length: int, slot_per_row, targets, write_first: bool, max_rank: Optional[int]):
-        bucket = row_bucket(rows)
-        if bucket is None or length > self.max_length or bucket * length > self.max_tokens:
+    def key(self, rows: int, length: int, targets, max_rank: Optional[int]) -> Optional[tuple]:
+        """(rows bucket, length bucket, LoRA targets or None, rank tile); None: no graph for this shape."""
+        bucket, padded = row_bucket(rows), length_bucket(length)
+        if bucket is None or padded is None or padded > self.max_length or bucket * padded > self.max_tokens:
             return None
         if not targets:
-            return (bucket, length, None, False, 0)
-        return (bucket, length, frozenset(targets), bool(write_first), rank_block(max_rank or self.store.max_rank))
+            return (bucket, padded, None, 0)
+        return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank))
 
     def run(
         self,
@@ -170,12 +196,11 @@ class EncoderGraphs:
         attention_mask: torch.Tensor,
         slot_per_row: list[int],
         targets,
-        write_first: bool,
         max_rank: Optional[int],
     ) -> Optional[torch.Tensor]:
         """The encoder's hidden states [rows, length, H] through a graph; None: this shape runs eagerly."""
         rows, length = input_ids.shape
-        key = self.key(rows, length, slot_per_row, targets, write_first, max_rank)
+        key = self.key(rows, length, targets, max_rank)
         if key is None or key in self.eager:
             self.stats["eager"] += 1
             return None
@@ -192,16 +217,18 @@ class EncoderGraphs:
             graph.graph.replay()
             self.stats["replays"] += 1
             hidden = self.encoder.geometry.hidden_size
+            out = self.output[: graph.rows * graph.length * hidden].view(graph.rows, graph.length, hidden)
             # a copy (~15 us for a full token budget): the shared buffer is the next replay's
-            return self.output[: graph.rows * length * hidden].view(graph.rows, length, hidden)[:rows].clone()
+            return out[:rows, :length].clone()
 
     def _fill(self, graph: _Graph, input_ids, attention_mask, slot_per_row) -> None:
-        rows = input_ids.shape[0]
-        graph.input_ids[:rows].copy_(input_ids)
-        graph.attention_mask[:rows].copy_(attention_mask)
-        if rows < graph.rows:
-            graph.input_ids[rows:].zero_()
-            graph.attention_mask[rows:].zero_()
+        """The batch into the graph's inputs; padding rows and columns get pad ids and a zero mask
+        (masked keys add nothing to a real token's attention; rows are independent)."""
+        rows, length = input_ids.shape
+        graph.input_ids.zero_()
+        graph.attention_mask.zero_()
+        graph.input_ids[:rows, :length].copy_(input_ids)
+        graph.attention_mask[:rows, :length].copy_(attention_mask)
         if graph.lora is not None:
             graph.lora.fill(list(slot_per_row) + [slot_per_row[-1]] * (graph.rows - rows))
 
@@ -212,20 +239,14 @@ class EncoderGraphs:
         return flat
 
     def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
-        rows, length, targets, write_first, rank_tile = key
+        rows, length, targets, rank_tile = key
         started = time.perf_counter()
         lora = None
         if targets is not None:
-            lora = StaticLoraBatch(
-                self.store,
-                self.meta_builder,
-                rows,
-                length,
-                targets,
-                self.encoder.backend or "triton",
-                write_first,
-                rank_tile,
-            )
+            # the update after the base GEMM (not written first): one graph per shape serves batches
+            # with and without base rows; at these sizes the saved pass over y is not measurable
+            backend = self.encoder.backend or "triton"
+            lora = StaticLoraBatch(self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile)
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:
             self._fill(graph, input_ids, attention_mask, slot_per_row)
@@ -233,10 +254,19 @@ class EncoderGraphs:
                 self._forward(graph)  # warm-up: compiles kernels, fills the shape caches
                 if lora is not None:
                     lora.forget_scratch()
-                torch.cuda.synchronize(self.device)
+                # captured on a side stream, as torch.cuda.graph does, but without its
+                # synchronize + gc.collect + empty_cache: a capture in the serving GPU thread
+                # must not drop the allocator's cache for every other shape
+                stream = self.capture_stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))
                 cuda_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
-                    self._forward(graph)
+                with torch.cuda.stream(stream):
+                    cuda_graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        self._forward(graph)
+                    finally:
+                        cuda_graph.capture_end()
+                torch.cuda.current_stream(self.device).wait_stream(stream)
             graph.graph = cuda_graph
         except Exception as exc:  # out of memory, an uncapturable op: this key stays eager
             logger.warning(

@@ -16,7 +16,7 @@ from manylora.compare import result_differences
 from manylora.config import EngineConfig
 from manylora.demo import demo_schemas, demo_texts
 from manylora.engine import Engine, Request
-from manylora.graphs import ROW_BUCKETS, row_bucket
+from manylora.graphs import LENGTH_BUCKETS, ROW_BUCKETS, length_bucket, row_bucket
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -47,6 +47,11 @@ def test_row_buckets_hold_every_row_count_up_to_the_largest():
         assert bucket - rows < max(2, bucket // 3), f"{rows} rows padded to {bucket}: a third padding or more"
         assert rows <= 256 or bucket - rows < 32, f"{rows} rows padded to {bucket}"
     assert row_bucket(ROW_BUCKETS[-1] + 1) is None
+    for length in range(16, LENGTH_BUCKETS[-1] + 1, 16):  # the engine's padded lengths
+        padded = length_bucket(length)
+        assert padded >= length and padded - length < max(16, padded // 4), (length, padded)
+        assert length > 128 or padded == length, "short rows are not padded further"
+    assert length_bucket(LENGTH_BUCKETS[-1] + 1) is None
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
@@ -82,7 +87,7 @@ def test_graphs_answer_like_the_eager_forward_and_peft(tiny_checkpoint, demo_ada
     cases = [
         _requests(names, 1, seed=1),  # one row (bucket 1)
         _requests(names, 5, seed=2),  # 5 rows padded to 6: mixed, with base rows
-        _requests(["enc-r8", "qv-r8"], 7, seed=3),  # every row has an adapter (written first), padded to 8
+        _requests(["enc-r8", "qv-r8"], 7, seed=3),  # every row has an adapter (eager: written first), padded to 8
         _requests([""], 4, seed=4),  # base rows only: the graph without LoRA
         _requests(names, 37, seed=5),  # 37 rows in chunks of one length each, padded
     ]
@@ -104,8 +109,10 @@ def test_shapes_beyond_the_graph_limits_run_eagerly(tiny_checkpoint, demo_adapte
     values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}  # the serving dtype, bfloat16
     engine = Engine(EngineConfig.from_parameters(values, device="cuda:0"))
     graphs = engine.graphs
-    assert graphs.key(ROW_BUCKETS[-1] + 1, 16, [0], set(), False, 8) is None
-    assert graphs.key(1, graphs.max_length + 16, [0], set(), False, 8) is None
+    assert graphs.key(ROW_BUCKETS[-1] + 1, 16, set(), 8) is None
+    assert graphs.key(1, graphs.max_length + 16, set(), 8) is None
+    assert graphs.key(graphs.max_tokens // 16 + 1, 16, set(), 8) is None, "above the graphs' token cap"
+    assert graphs.key(3, 100, {"encoder.encoder.layer.0.attention.self.query_proj"}, 8)[:2] == (3, 112)
     before = dict(graphs.stats)
     long_text = " ".join(["word"] * 700)  # > max_length tokens: eager
     (answer,) = engine.run([Request(long_text, json.dumps({"entities": ["person"]}), adapter="enc-r8")])
