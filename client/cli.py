@@ -40,7 +40,7 @@ from manylora import control
 
 from .client import DEFAULT_CONCURRENCY, ManyLoRAClient
 from .errors import ManyLoRAError, SchemaError
-from .protocol import DEFAULT_THRESHOLD, MODEL_NAME, Request
+from .protocol import DEFAULT_THRESHOLD, MODEL_NAME, Request, wire_threshold
 
 EXIT_OK, EXIT_ITEM_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, control.EXIT_UNREACHABLE
 LINE_KEYS = {"text", "schema", "adapter", "threshold", "id"}
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--relations", metavar="A,B", help="relation types, as extract_relations")
     schema.add_argument("--json", metavar="FILE_OR_JSON", help="structures dict, as extract_json")
     extract.add_argument("--adapter", default="", help="LoRA adapter id (default: base model)")
-    extract.add_argument("--threshold", type=_unit_float, default=DEFAULT_THRESHOLD)
+    extract.add_argument("--threshold", type=_threshold, default=DEFAULT_THRESHOLD)
     extract.add_argument("--confidence", action="store_true", help="include confidence scores")
     extract.add_argument("--spans", action="store_true", help="include character spans")
     extract.add_argument(
@@ -410,11 +410,13 @@ def _positive_float(value: str) -> float:
     return number
 
 
-def _unit_float(value: str) -> float:
+def _threshold(value: str) -> float:
+    """Any finite number, as GLiNER2's threshold (above 1 finds nothing, below 0 acts as 0)."""
     number = _number(value, float)
-    if not 0.0 <= number <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {value}")
-    return number
+    try:
+        return wire_threshold(number)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive_int(value: str) -> int:

@@ -4,8 +4,8 @@ Every GLiNER2 2.1.0 method is here with GLiNER2's positional parameters and defa
 plus keyword-only ``adapter=`` (and ``raise_on_error=`` on batch methods). Results are
 what ``GLiNER2`` returns, after a JSON round trip (tuples arrive as lists). The ``*_long``
 methods cut the text into windows client-side and merge the windows' answers as GLiNER2
-does; a text without a word is answered as GLiNER2 answers it, without a request, unless
-the schema classifies.
+does. Every text is sent, an empty one too: GLiNER2 extracts from an empty text (its
+processor makes it ".": low thresholds find spans there, classifications score their labels).
 
 Light on the hot path: schemas given as dicts or JSON, and the convenience methods
 (``extract_entities`` & co., whose schemas this module builds as GLiNER2's builder
@@ -61,8 +61,7 @@ DEFAULT_CHUNK_OVERLAP = 64
 class _Plan:
     """What one GLiNER2-API call sends, and how its answers become the call's result.
 
-    ``items`` holds a Request per server call, or an answer known without asking (empty
-    text). ``report`` gives, per item, the index a failure carries (None for single calls,
+    ``items`` holds a Request per server call. ``report`` gives, per item, the index a failure carries (None for single calls,
     the document for chunks of long ones).
     """
 
@@ -130,8 +129,7 @@ class _GLiNER2Methods:
         client's concurrency), and the server batches them. Results come back in input
         order. The first failed item raises its ManyLoRAError; with
         ``raise_on_error=False`` its slot holds the ManyLoRAError instead. ``adapter``
-        may be one id per text. Texts without a word get GLiNER2's answer for empty text
-        without a request, unless the schema classifies (the model answers those).
+        may be one id per text.
         """
         _remote_only(format_results, max_len, overlap_policy, hidden_states)
         texts = list(texts)
@@ -1057,9 +1055,9 @@ def _schemas_for(schemas, count: int) -> list[_Encoded]:
     return [_encoded(schemas)] * count
 
 
-def _item(text, schema: _Encoded, adapter: str, threshold, include_confidence, include_spans):
-    """The Request for one text, or GLiNER2's answer for it when it has no word."""
-    request = Request(
+def _item(text, schema: _Encoded, adapter: str, threshold, include_confidence, include_spans) -> Request:
+    """The Request for one text (an empty one too: the server answers it as GLiNER2 does)."""
+    return Request(
         text=text,
         schema=schema.json,
         adapter=adapter,
@@ -1067,11 +1065,6 @@ def _item(text, schema: _Encoded, adapter: str, threshold, include_confidence, i
         include_confidence=include_confidence,
         include_spans=include_spans,
     )
-    if not _NON_SPACE.search(text):
-        answer = empty_text_result(schema.data)
-        if answer is not None:
-            return answer
-    return request
 
 
 def _remote_only(format_results, max_len, overlap_policy, hidden_states=None) -> None:
@@ -1096,41 +1089,6 @@ def _first(results: list):
 
 # GLiNER2's whitespace word splitter answers no word exactly when the text has no \S.
 _NON_SPACE = re.compile(r"\S")
-
-
-def empty_text_result(schema: dict) -> dict[str, Any] | None:
-    """What GLiNER2 answers for a text without a word, or None where the model decides.
-
-    Spans need words: every entity type gets ``[]`` (``None`` for a non-list dtype),
-    every structure ``[]`` and every relation ``[]``, in GLiNER2's key order (structures,
-    entities, then ``relation_extraction``). A classification still scores its labels
-    against the empty text, and entity attributes are GLiNER2's to format: None then.
-    """
-    if not isinstance(schema, dict) or set(schema) - {"entities", "relations", "structures"}:
-        return None
-    result: dict[str, Any] = {}
-    structures = schema.get("structures") or {}
-    if not isinstance(structures, dict):
-        return None
-    for name in structures:
-        result[name] = []
-    entities = schema.get("entities")
-    if entities:
-        if isinstance(entities, list):
-            result["entities"] = {name: [] for name in entities}
-        elif isinstance(entities, dict):
-            result["entities"] = {
-                name: None if isinstance(c, dict) and c.get("dtype", "list") != "list" else []
-                for name, c in entities.items()
-            }
-        else:
-            return None
-    relations = schema.get("relations")
-    if relations:
-        if not isinstance(relations, (list, dict)):
-            return None
-        result["relation_extraction"] = {name: [] for name in relations}
-    return result
 
 
 # -------------------------------------------------- GLiNER2's builders, torch-free

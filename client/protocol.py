@@ -5,9 +5,11 @@ Both sides import this module: the client encodes requests with it and the serve
 dtypes and defaults cannot drift apart. It depends on numpy only, because the
 Triton Python backend stub imports it.
 
-Every request carries one item. The model has ``max_batch_size > 0``, so each
-tensor of a request has shape ``[1, 1]``: the batch dimension, then the ``dims: [1]``
-of config.pbtxt. BYTES tensors hold UTF-8 encoded ``bytes``.
+The model has ``max_batch_size > 0``, so each tensor of a request has shape ``[N, 1]``:
+the batch dimension (N items), then the ``dims: [1]`` of config.pbtxt. The client sends one
+item per request (``[1, 1]``: the dynamic batcher does the batching); the server also takes
+N items in one request (``perf_analyzer -b N``, tritonclient with a batch) and answers them
+in one RESULT of shape ``[N, 1]``, item by item. BYTES tensors hold UTF-8 encoded ``bytes``.
 """
 
 from __future__ import annotations
@@ -109,11 +111,7 @@ class Request:
         threshold = self.threshold
         if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.floating, np.integer)):
             raise ValueError(f"threshold must be a number, got {type(threshold).__name__}")
-        threshold = float(threshold)
-        if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
-            raise ValueError(f"threshold must be within [0, 1], got {threshold}")
-        # The wire carries FP32: hold exactly the value the server will see.
-        object.__setattr__(self, "threshold", float(np.float32(threshold)))
+        object.__setattr__(self, "threshold", wire_threshold(threshold))
 
     def to_arrays(self) -> dict:
         """All six input tensors, each shaped ``[1, 1]``.
@@ -133,44 +131,105 @@ class Request:
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray | None]) -> Request:
-        """Decode one request's input tensors (absent optional inputs: missing or None).
+        """Decode one request's input tensors of one item (absent optional inputs: missing or None).
 
         Raises ``ValueError`` naming the offending tensor, and no other exception.
         """
-        unknown = set(arrays) - {spec.name for spec in INPUTS}
-        if unknown:
-            raise ValueError(f"unknown input tensor(s): {sorted(map(repr, unknown))}")
-        values = {}
-        for spec in INPUTS:
-            array = arrays.get(spec.name)
-            if array is None:
-                if not spec.optional:
-                    raise ValueError(f"input {spec.name} is required")
-                values[spec.name] = spec.default
-                continue
-            if not isinstance(array, np.ndarray):
-                raise ValueError(f"input {spec.name} must be a numpy array, got {type(array).__name__}")
-            if array.size != 1:
+        (request,) = requests_from_arrays(arrays, items=1)
+        return request
+
+
+def requests_from_arrays(arrays: Mapping[str, np.ndarray | None], items: Optional[int] = None) -> list[Request]:
+    """Decode one Triton request's input tensors: a Request per item, in order.
+
+    The items are TEXT's batch dimension (``items`` given: exactly that many). Every input
+    present needs one value per item (shape ``[N, 1]``), as Triton itself requires of a
+    model with ``max_batch_size > 0``: an optional input is absent (its default for every
+    item) or holds N values, never one value for all. Raises ``ValueError`` naming the
+    offending tensor (and, in a request of several items, the item), and no other exception.
+    """
+    unknown = set(arrays) - {spec.name for spec in INPUTS}
+    if unknown:
+        raise ValueError(f"unknown input tensor(s): {sorted(map(repr, unknown))}")
+    count = items
+    columns: dict[str, list] = {}
+    for spec in INPUTS:
+        array = arrays.get(spec.name)
+        if array is None:
+            if not spec.optional:
+                raise ValueError(f"input {spec.name} is required")
+            continue
+        if not isinstance(array, np.ndarray):
+            raise ValueError(f"input {spec.name} must be a numpy array, got {type(array).__name__}")
+        if count is None:  # TEXT, the first input and a required one, sets the batch size
+            count = array.shape[0] if array.ndim else 1
+            if count == 0:
+                raise ValueError(f"input {spec.name} holds no item, got shape {array.shape}")
+        if array.size != count or (array.ndim and array.shape[0] != count):
+            if items == 1:
                 raise ValueError(f"input {spec.name} must hold one element, got shape {array.shape}")
-            value = array.reshape(-1)[0]
-            if spec.triton_dtype == "BYTES":
-                values[spec.name] = _decode_utf8(spec.name, value)
-            elif spec.triton_dtype == "FP32":
-                if array.dtype.kind not in "fiu":
-                    raise ValueError(f"{spec.name} must be FP32, got {array.dtype}")
-                values[spec.name] = float(value)
-            else:
-                if array.dtype.kind != "b":
-                    raise ValueError(f"{spec.name} must be BOOL, got {array.dtype}")
-                values[spec.name] = bool(value)
-        return cls(
-            text=values[TEXT],
-            schema=values[SCHEMA],
-            adapter=values[ADAPTER_ID],
-            threshold=values[THRESHOLD],
-            include_confidence=values[INCLUDE_CONFIDENCE],
-            include_spans=values[INCLUDE_SPANS],
-        )
+            raise ValueError(
+                f"input {spec.name} has shape {array.shape}, but the request has {count} items (TEXT): "
+                f"every input present needs one value per item, shape [{count}, 1]"
+            )
+        if spec.triton_dtype == "FP32" and array.dtype.kind not in "fiu":
+            raise ValueError(f"{spec.name} must be FP32, got {array.dtype}")
+        if spec.triton_dtype == "BOOL" and array.dtype.kind != "b":
+            raise ValueError(f"{spec.name} must be BOOL, got {array.dtype}")
+        columns[spec.name] = array.reshape(-1).tolist()
+    requests = []
+    for item in range(count or 0):
+        try:
+            values = {}
+            for spec in INPUTS:
+                column = columns.get(spec.name)
+                if column is None:
+                    values[spec.name] = spec.default
+                elif spec.triton_dtype == "BYTES":
+                    values[spec.name] = _decode_utf8(spec.name, column[item])
+                elif spec.triton_dtype == "FP32":
+                    values[spec.name] = float(column[item])
+                else:
+                    values[spec.name] = bool(column[item])
+            requests.append(
+                Request(
+                    text=values[TEXT],
+                    schema=values[SCHEMA],
+                    adapter=values[ADAPTER_ID],
+                    threshold=values[THRESHOLD],
+                    include_confidence=values[INCLUDE_CONFIDENCE],
+                    include_spans=values[INCLUDE_SPANS],
+                )
+            )
+        except ValueError as err:
+            raise ValueError(item_message(str(err), item, count)) from None
+    return requests
+
+
+def item_message(message: str, item: int, items: int) -> str:
+    """An error message of one item, naming the item in a request of several."""
+    return message if items == 1 else f"item {item} (0-based) of {items}: {message}"
+
+
+def wire_threshold(value) -> float:
+    """``value`` as the FP32 THRESHOLD tensor carries it; ValueError unless it is finite there.
+
+    Any finite threshold is taken, as GLiNER2 2.1.0 takes it: a span (or choice) passes where
+    ``score >= threshold`` and every score is in [0, 1], so above 1 nothing passes and below 0
+    acts as 0. NaN and +-inf are refused (INVALID_ARG), although GLiNER2 does not fail on
+    them (NaN and +inf pass no span, -inf acts as 0): they are never a threshold a caller
+    meant, and they are what FP32 makes of finite values beyond its range (1e39).
+    """
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf if value > 0 else -math.inf
+    if math.isfinite(number):
+        with np.errstate(over="ignore"):
+            number = float(np.float32(number))  # the wire carries FP32: the value the server sees
+    if not math.isfinite(number):
+        raise ValueError(f"threshold must be a finite number, got {value}")
+    return number
 
 
 def routing_headers(request: "Request") -> dict[str, str]:
@@ -261,12 +320,25 @@ def result_array(result: Any) -> np.ndarray:
     return _bytes_array(json.dumps(result, ensure_ascii=False))
 
 
+def results_array(results: list) -> np.ndarray:
+    """The RESULT tensor (``[N, 1]`` BYTES) of a request of N items: one GLiNER2 result each."""
+    array = np.empty((len(results), 1), dtype=np.object_)
+    for item, result in enumerate(results):
+        array[item, 0] = json.dumps(result, ensure_ascii=False).encode("utf-8")
+    return array
+
+
 def parse_result(array: np.ndarray) -> Any:
     """The GLiNER2 result carried by one response's RESULT tensor."""
     array = np.asarray(array)
     if array.size != 1:
         raise ValueError(f"output {RESULT} must hold one element, got shape {array.shape}")
     return json.loads(_decode_utf8(RESULT, array.reshape(-1)[0]))
+
+
+def parse_results(array: np.ndarray) -> list:
+    """The GLiNER2 results of a request of several items, in order (RESULT ``[N, 1]``)."""
+    return [json.loads(_decode_utf8(RESULT, value)) for value in np.asarray(array).reshape(-1)]
 
 
 def _bytes_array(value: str) -> np.ndarray:

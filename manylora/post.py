@@ -51,6 +51,7 @@ __all__ = [
     "PostDecoder",
     "compact_batch",
     "compact_dense",
+    "core_threshold",
     "dtype_floor",
     "format_result",
     "head_outputs",
@@ -157,6 +158,17 @@ def sparsify_threshold(threshold: float, metadata: dict) -> float:
                 candidates.append(entry["threshold"])
     values = [float(t) for t in candidates if not math.isnan(float(t))]
     return min(values) if values else math.inf
+
+
+def core_threshold(threshold: float, metadata: dict) -> float:
+    """The row's T_MIN for the GPU stage: :func:`sparsify_threshold` clamped into [0, 1].
+
+    GLiNER2 takes any threshold (above 1 finds nothing, below 0 acts as 0). Span scores are
+    sigmoids, in [0, 1]: keeping every element ``>= dtype_floor(0)`` keeps all of them, and
+    ``>= dtype_floor(1)`` a superset of what a threshold above 1 accepts (none). The decoder
+    then compares with the real thresholds, so the answer is GLiNER2's either way.
+    """
+    return min(max(sparsify_threshold(threshold, metadata), 0.0), 1.0)
 
 
 @functools.lru_cache(maxsize=4096)  # a few thresholds per server; measured ~8 us a call per row

@@ -10,8 +10,13 @@ benchmarks) the engine calls it directly. Nothing here touches the GPU or the ad
 * per request: limits, then the text half of the record (``RecordBuilder.record``). A request
   refused for its length leaves no words in the caches (its new words are kept only once it
   is accepted), and a schema that cannot fit ``max_request_tokens`` alone is never kept;
-* ``t_min``: the lowest threshold any decoding of this row compares a score with
-  (``post.sparsify_threshold``): the GPU stage sends back only scores at or above it.
+* ``t_min``: the lowest threshold any decoding of this row compares a score with, clamped
+  into [0, 1] (``post.core_threshold``): the GPU stage sends back only scores at or above it.
+  Post compares with the request's real threshold, as GLiNER2 does.
+
+An empty or whitespace-only TEXT is served like any other: GLiNER2 2.1.0 extracts from it
+(its processor makes an empty text ".", and appends "." to one without final punctuation),
+so a low threshold finds spans on that "." and classifications score their labels.
 """
 
 from __future__ import annotations
@@ -117,8 +122,8 @@ class Preprocessor:
         return part, metadata
 
     def check_text(self, text) -> None:
-        if not isinstance(text, str) or not text.strip():
-            raise RequestError(INVALID_ARG, "TEXT is empty")
+        if not isinstance(text, str):
+            raise RequestError(INVALID_ARG, f"TEXT must be a str, got {type(text).__name__}")
         limit = self.max_request_tokens
         if len(text) > CHARS_PER_TOKEN_BOUND * limit:  # refuse before paying for tokenization
             raise RequestError(
@@ -130,7 +135,7 @@ class Preprocessor:
     def prepare(self, index: int, request: Request, text_checked: bool = False) -> Prepared:
         """Validate and tokenize one request; raises RequestError. ``text_checked``: the
         caller ran ``check_text`` already (the engine does, before its adapter lookup)."""
-        from manylora.post import sparsify_threshold
+        from manylora.post import core_threshold
 
         if not text_checked:
             self.check_text(request.text)
@@ -150,7 +155,7 @@ class Preprocessor:
                 f"text and schema are {tokens} tokens, above the limit of "
                 f"{limit} (max_request_tokens); split the text into chunks",
             )
-        t_min = sparsify_threshold(request.threshold, metadata)
+        t_min = core_threshold(request.threshold, metadata)  # the GPU stage takes T_MIN in [0, 1]
         return Prepared(index, request, record, metadata, len(record.input_ids), t_min=t_min)
 
     def core_record(self, input_ids, word_positions, schema_json: str):

@@ -79,11 +79,27 @@ class ExecuteProfiler:
 
 
 def decode_request(get: Callable[[str], Optional[np.ndarray]]) -> Request:
-    """Build a validated Request from a getter of input arrays (None when absent)."""
+    """Build a validated Request of one item from a getter of input arrays (None when absent)."""
     try:
         return Request.from_arrays({spec.name: get(spec.name) for spec in protocol.INPUTS})
     except ValueError as exc:
         raise RequestError(INVALID_ARG, str(exc)) from None
+
+
+def decode_requests(get: Callable[[str], Optional[np.ndarray]]) -> list[Request]:
+    """The validated Requests of one Triton request's items ([N, 1] inputs), in order."""
+    try:
+        return protocol.requests_from_arrays({spec.name: get(spec.name) for spec in protocol.INPUTS})
+    except ValueError as exc:
+        raise RequestError(INVALID_ARG, str(exc)) from None
+
+
+def item_error(exc: RequestError, item: int, items: int) -> RequestError:
+    """``exc`` of one item, as the error of its whole request: same code, the item named when
+    the request has several (Triton answers a request once: one bad item fails them all)."""
+    if items == 1:
+        return exc.with_traceback(None)  # a kept traceback holds its frame: a cycle
+    return RequestError(exc.code, protocol.item_message(exc.message, item, items))
 
 
 def check_model_config(model_config: dict) -> None:
@@ -183,11 +199,13 @@ class TritonModelHandler:
         return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(exc.message, code))
 
     def _decode_all(self, requests: list) -> list:
+        """Per request: the list of its items' Requests (one per item of its [N, 1] inputs), or
+        the RequestError that fails it."""
         pb = self.pb_utils
         decoded: list = []
         for request in requests:
             try:
-                decoded.append(decode_request(lambda name, r=request: _as_numpy(pb, r, name)))
+                decoded.append(decode_requests(lambda name, r=request: _as_numpy(pb, r, name)))
             except RequestError as exc:
                 decoded.append(exc.with_traceback(None))  # a kept traceback holds this frame: a cycle
             except Exception as exc:
@@ -196,13 +214,29 @@ class TritonModelHandler:
         return decoded
 
     def _respond(self, results: list) -> list:
+        """One response per request: its RESULT ([N, 1], an answer per item), or its error.
+
+        ``results[i]`` is request i's RequestError, or the list of its items' answers, where
+        an item's answer may be a RequestError: the first such item fails the whole request
+        (a request is answered once, so its good items are not answered either)."""
         pb = self.pb_utils
-        return [
-            self._error(result)
-            if isinstance(result, RequestError)
-            else pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, protocol.result_array(result))])
-            for result in results
-        ]
+        responses = []
+        for result in results:
+            if not isinstance(result, RequestError):
+                failed = [(k, r) for k, r in enumerate(result) if isinstance(r, RequestError)]
+                if failed:
+                    result = item_error(failed[0][1], failed[0][0], len(result))
+            if isinstance(result, RequestError):
+                responses.append(self._error(result))
+                continue
+            try:
+                array = protocol.result_array(result[0]) if len(result) == 1 else protocol.results_array(result)
+            except Exception as exc:  # not JSON-serializable: a bug, this request alone
+                logger.exception("encoding a result failed")
+                responses.append(self._error(RequestError(INTERNAL, f"encoding the result failed: {exc}")))
+                continue
+            responses.append(pb.InferenceResponse(output_tensors=[pb.Tensor(protocol.RESULT, array)]))
+        return responses
 
     def execute(self, requests: list) -> list:
         """One response per request, in order; never raises (an exception here would fail
@@ -212,9 +246,9 @@ class TritonModelHandler:
 
     def _execute(self, requests: list) -> list:
         decoded = self._decode_all(requests)
-        valid = [d for d in decoded if isinstance(d, Request)]
+        valid = [item for group in decoded if not isinstance(group, RequestError) for item in group]
         answers = iter(self._run(valid))
-        results = [item if isinstance(item, RequestError) else next(answers) for item in decoded]
+        results = [group if isinstance(group, RequestError) else [next(answers) for _ in group] for group in decoded]
         try:
             self.metrics.publish(self.engine)
         except Exception:
@@ -248,25 +282,34 @@ class TritonModelHandler:
         "not healthy" under load (the Python backend's decoupled-BLS deadlock and async_exec
         use-after-free, fixed upstream in python_backend #439, 2026)."""
         decoded = self._decode_all(requests)
-        results: list = list(decoded)
-        prepared = []
-        for index, item in enumerate(decoded):
-            if isinstance(item, RequestError):
+        results: list = list(decoded)  # per request: its RequestError, or its items' answers
+        prepared, places = [], []  # every row to the GPU stage; (request, item) of each
+        for index, group in enumerate(decoded):
+            if isinstance(group, RequestError):
                 continue
-            try:
-                prepared.append(self.pre.prepare(index, item))
-            except RequestError as exc:
-                results[index] = exc.with_traceback(None)
-            except Exception as exc:  # a bug must not fail the other requests of the batch
-                logger.exception("request %d could not be prepared", index)
-                results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
+            rows = []
+            for item, request in enumerate(group):
+                try:
+                    rows.append(self.pre.prepare(index, request))
+                except RequestError as exc:  # the request fails: none of its rows is sent
+                    results[index] = item_error(exc, item, len(group))
+                    break
+                except Exception as exc:  # a bug must not fail the other requests of the batch
+                    logger.exception("request %d could not be prepared", index)
+                    error = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
+                    results[index] = item_error(error, item, len(group))
+                    break
+            else:
+                results[index] = [None] * len(group)
+                prepared.extend(rows)
+                places.extend((index, item) for item in range(len(group)))
         if prepared:
             try:
                 answer = self._core_request(prepared).exec()
             except Exception as exc:
                 answer = exc
-            for p, row in zip(prepared, self._core_rows(answer, len(prepared))):
-                results[p.index] = row if isinstance(row, RequestError) else self._post(p, row)
+            for (index, item), p, row in zip(places, prepared, self._core_rows(answer, len(prepared))):
+                results[index][item] = row if isinstance(row, RequestError) else self._post(p, row)
         return self._respond(results)
 
     def _core_request(self, prepared: list):

@@ -12,7 +12,7 @@ budget. Per request, every tensor is [1, -1]:
     ROW_WORDS  INT32  words per row
     SCHEMA     BYTES  each row's SCHEMA text (the core caches the parsed schema part)
     ADAPTER_ID BYTES  each row's adapter id, empty = base
-    T_MIN      FP32   each row's lowest decoding threshold (post.sparsify_threshold)
+    T_MIN      FP32   each row's lowest decoding threshold, clamped into [0, 1] (post.core_threshold)
 
 ``gliner2_core`` -> front, per request: ``STATUS`` BYTES [1, rows] (empty, or
 "CODE<TAB>message" for a row's own error) and ``COMPACT`` BYTES [1, 1]: ``pack_rows`` of the

@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from gliner2.inference import chunking as g2_chunking
 from gliner2.inference import runtime as g2_runtime
@@ -24,6 +25,8 @@ from manylora.client import ManyLoRAClient, ManyLoRAError, protocol
 from manylora.client import client as client_lib
 from manylora.client.aio import AsyncManyLoRAClient
 from tritonclient.utils import InferenceServerException
+
+from manylora.compare import result_differences
 
 LOCAL_ONLY = {"from_api"}  # GLiNER2's classmethod that makes an API client instead of a model
 PUBLIC = sorted(
@@ -262,24 +265,32 @@ EMPTY_CASES = [
     ("extract_entities", {"person": {"dtype": "str"}, "org": "an org"}),
     ("extract_relations", ["works_for", "lives_in"]),
     ("extract_json", {"product": ["name::str", "tags", "kind::[a|b]"], "other": ["x"]}),
+    ("classify_text", {"sentiment": ["pos", "neg"]}),
 ]
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n\t"])
 @pytest.mark.parametrize("method,argument", EMPTY_CASES)
-def test_empty_text_answers_what_gliner2_answers_without_a_request(gliner2, method, argument, text):
+def test_empty_text_is_sent_and_answered_as_gliner2(gliner2, method, argument, text):
+    """GLiNER2 extracts from an empty text: its processor makes it "." (a text without final
+    punctuation gets one), so a low threshold finds spans there and classifications score
+    their labels. The client sends it like any text (the server serves it)."""
     transport = GLiNER2Transport(gliner2)
     client = make_client(transport)
-    for flags in [(False, False), (True, False), (True, True)]:
-        expected = getattr(gliner2, method)(text, argument, 0.5, True, *flags)
-        assert getattr(client, method)(text, argument, 0.5, True, *flags) == expected
-        texts = [text, "Tim Cook works for Apple.", text]
-        batch = getattr(client, f"batch_{method}")(texts, argument, 8, 0.5, True, *flags)
-        theirs = getattr(gliner2, f"batch_{method}")(texts, argument, 8, 0.5, True, *flags)
-        assert batch[0] == batch[2] == theirs[0] == theirs[2] == expected
-        single = getattr(gliner2, method)(texts[1], argument, 0.5, True, *flags)  # the fake answers one by one
-        assert batch[1] == json.loads(json.dumps(single))
-    assert [r.text for r in transport.sent] == ["Tim Cook works for Apple."] * 3, "only the text with words is sent"
+    low = {}
+    for threshold in (0.5, 0.0):
+        for flags in [(False, False), (True, True)]:
+            expected = json.loads(json.dumps(getattr(gliner2, method)(text, argument, threshold, True, *flags)))
+            assert getattr(client, method)(text, argument, threshold, True, *flags) == expected
+            texts = [text, "Tim Cook works for Apple.", text]
+            batch = getattr(client, f"batch_{method}")(texts, argument, 8, threshold, True, *flags)
+            theirs = getattr(gliner2, f"batch_{method}")(texts, argument, 8, threshold, True, *flags)
+            assert batch[0] == batch[2] == expected  # the fake answers one by one
+            assert not result_differences(json.loads(json.dumps(theirs[0])), expected)  # batched: float noise
+            low[threshold, flags] = expected
+    assert [r.text for r in transport.sent].count(text) == 3 * 4, "every empty text is sent"
+    if method != "classify_text":
+        assert low[0.0, (True, True)] != low[0.5, (True, True)], "spans on the '.' at threshold 0: not vacuous"
 
 
 def test_empty_text_of_a_mixed_schema_and_of_a_schema_object(gliner2):
@@ -287,23 +298,85 @@ def test_empty_text_of_a_mixed_schema_and_of_a_schema_object(gliner2):
         "relations": ["r1"],
         "structures": {"p": {"fields": [{"name": "a"}]}, "q": {"fields": [{"name": "b", "dtype": "str"}]}},
         "entities": {"x": {"dtype": "str"}, "y": "a thing"},
+        "classifications": [{"task": "t", "labels": ["l1", "l2"]}],
     }
     transport = GLiNER2Transport(gliner2)
     client = make_client(transport)
-    expected = gliner2.extract("", Schema.from_dict(data))
-    assert client.extract("", data) == expected
-    assert client.extract("", json.dumps(data)) == expected
-    assert client.extract("", Schema.from_dict(data)) == expected
+    for threshold in (0.5, 0.0):
+        expected = json.loads(json.dumps(gliner2.extract("", Schema.from_dict(data), threshold)))
+        assert client.extract("", data, threshold) == expected
+        assert client.extract("", json.dumps(data), threshold) == expected
+        assert client.extract("", Schema.from_dict(data), threshold) == expected
+    assert [r.text for r in transport.sent] == [""] * 6
+
+
+def test_empty_long_text_is_one_chunk_as_in_gliner2(gliner2):
+    """GLiNER2's *_long answer an empty text from one chunk of it (max_len=chunk_size)."""
+    transport = GLiNER2Transport(gliner2, max_len=client_lib.DEFAULT_CHUNK_SIZE)
+    client = make_client(transport)
+    types = ["person", "company"]
+    for text in ["", "  "]:
+        expected = gliner2.extract_entities_long(text, types, 0.0, include_confidence=True, include_spans=True)
+        got = client.extract_entities_long(text, types, 0.0, include_confidence=True, include_spans=True)
+        assert got == json.loads(json.dumps(expected)) and got["entities"]["person"], "spans on the '.'"
+    assert [r.text for r in transport.sent] == ["", "  "]
+
+
+# ------------------------------------------------------------------ thresholds
+
+
+@pytest.mark.parametrize("threshold", [-0.5, -1e30, 0.0, 1.0, 1.0000001, 1.5, 1e30])
+def test_any_finite_threshold_is_sent_as_gliner2_takes_it(gliner2, threshold):
+    """GLiNER2 takes any threshold: above 1 nothing passes, below 0 acts as 0 (scores are in
+    [0, 1]). The client sends it (as FP32, the wire's type) and answers what GLiNER2 answers."""
+    transport = GLiNER2Transport(gliner2)
+    client = make_client(transport)
+    text, types = "Tim Cook works for Apple in Cupertino.", ["person", "company"]
+    wire = float(np.float32(threshold))
+    got = client.extract_entities(text, types, threshold, True, True)
+    assert got == json.loads(json.dumps(gliner2.extract_entities(text, types, wire, True, True)))
+    assert transport.sent[-1].threshold == wire
+    if threshold < 0:
+        assert got == json.loads(json.dumps(gliner2.extract_entities(text, types, 0.0, True, True)))
+    if threshold > 1:
+        assert got == {"entities": {"person": [], "company": []}}
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), float("inf"), -float("inf"), 1e39])
+def test_non_finite_thresholds_are_refused_though_gliner2_takes_them(gliner2, threshold):
+    """GLiNER2 2.1.0 does not fail on NaN or +-inf (NaN and inf find nothing, -inf acts as 0);
+    the client refuses them (the server too: INVALID_ARG), as 1e39, which FP32 makes inf."""
+    text, types = "Tim Cook works for Apple.", ["person", "company"]
+    gliner2.extract_entities(text, types, threshold)  # does not raise
+    transport = GLiNER2Transport(gliner2)
+    with pytest.raises(ValueError, match="threshold must be a finite number"):
+        make_client(transport).extract_entities(text, types, threshold)
     assert transport.sent == []
 
 
-def test_empty_text_with_a_classification_is_the_models_to_answer(gliner2):
-    """GLiNER2 classifies an empty text like any other (its labels still score): ask the server."""
-    transport = GLiNER2Transport(gliner2)
-    client = make_client(transport)
-    tasks = {"sentiment": ["pos", "neg"]}
-    assert client.classify_text("", tasks, 0.5, True, True) == gliner2.classify_text("", tasks, 0.5, True, True)
-    assert [r.text for r in transport.sent] == [""]
+@pytest.mark.parametrize("value", [-0.5, 1.5, float("nan")])
+def test_schema_thresholds_outside_0_1_are_refused_as_gliner2_refuses_them(gliner2, value):
+    """Per-entity, per-relation and per-field thresholds and cls_threshold: GLiNER2's builder
+    raises ValueError and Schema.from_dict raises (pydantic); so do the client's builders, and
+    the server answers a SCHEMA holding one INVALID_ARG (``SCHEMA is not a valid GLiNER2 schema``)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValueError, match="Threshold must be 0-1"):
+        Schema().entities({"person": {"threshold": value}})
+    with pytest.raises(ValueError, match="Threshold must be 0-1"):
+        client_lib.entities_schema({"person": {"threshold": value}})
+    with pytest.raises(ValueError, match="Threshold must be 0-1"):
+        client_lib.relations_schema({"works_for": {"threshold": value}})
+    for data in [
+        {"entities": {"person": {"threshold": value}}},
+        {"relations": {"works_for": {"threshold": value}}},
+        {"structures": {"p": {"fields": [{"name": "a", "threshold": value}]}}},
+        {"classifications": [{"task": "t", "labels": ["a", "b"], "cls_threshold": value}]},
+    ]:
+        with pytest.raises(ValidationError):
+            Schema.from_dict(data)
+    with pytest.raises(ValueError, match="cls_threshold"):
+        client_lib.classification_schema({"t": {"labels": ["a", "b"], "cls_threshold": value}})
 
 
 # ------------------------------------------------------------- long documents

@@ -83,8 +83,9 @@ def test_absent_optional_inputs_take_their_defaults():
         ({"SCHEMA": np.array([[b"a", b"b"]], dtype=np.object_)}, "SCHEMA must hold one element"),
         ({"TEXT": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "TEXT is not valid UTF-8"),
         ({"TEXT": np.array([[3]], dtype=np.object_)}, "TEXT must be BYTES"),
-        ({"THRESHOLD": np.array([[1.5]], dtype=np.float32)}, "threshold must be within"),
-        ({"THRESHOLD": np.array([[np.nan]], dtype=np.float32)}, "threshold must be within"),
+        ({"THRESHOLD": np.array([[np.inf]], dtype=np.float32)}, "threshold must be a finite number"),
+        ({"THRESHOLD": np.array([[np.nan]], dtype=np.float32)}, "threshold must be a finite number"),
+        ({"THRESHOLD": np.array([[1e39]], dtype=np.float64)}, "threshold must be a finite number"),
         ({"EXTRA": np.array([[1]])}, "unknown input"),
     ],
 )
@@ -102,13 +103,85 @@ def test_bad_arrays_raise_value_error_naming_the_tensor(change, message):
         ({"adapter": None}, "adapter must be a str"),
         ({"threshold": True}, "threshold must be a number"),
         ({"threshold": "0.5"}, "threshold must be a number"),
-        ({"threshold": -0.1}, "within \\[0, 1\\]"),
+        ({"threshold": float("nan")}, "threshold must be a finite number"),
+        ({"threshold": -float("inf")}, "threshold must be a finite number"),
+        ({"threshold": 10**400}, "threshold must be a finite number"),
+        ({"threshold": 1e39}, "threshold must be a finite number"),  # FP32 makes it inf
         ({"include_spans": 1}, "include_spans must be a bool"),
     ],
 )
 def test_request_validates_its_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Request(**{"text": "t", "schema": SCHEMA, **kwargs})
+
+
+@pytest.mark.parametrize("threshold", [-0.5, -1e30, 0.0, 1.0, 1.0000001, 1.5, 7, 3e38])
+def test_any_finite_threshold_is_taken_as_fp32_carries_it(threshold):
+    """As GLiNER2 takes it (above 1 nothing passes, below 0 acts as 0; tested against GLiNER2
+    in test_client_dropin.py and tests/engine/test_post.py)."""
+    request = Request("t", SCHEMA, threshold=threshold)
+    assert request.threshold == float(np.float32(threshold))
+    assert Request.from_arrays(request.to_arrays()) == request
+
+
+def _batch(requests) -> dict:
+    arrays = [r.to_arrays() for r in requests]
+    return {name: np.concatenate([a[name] for a in arrays]) for name in arrays[0]}
+
+
+def test_a_request_of_several_items_decodes_item_by_item():
+    items = [
+        Request("one", SCHEMA, adapter="a", threshold=0.25, include_spans=True),
+        Request("", SCHEMA, threshold=1.5, include_confidence=True),
+        Request("three", '{"relations": ["r"]}'),
+    ]
+    arrays = _batch(items)
+    assert arrays["TEXT"].shape == (3, 1)
+    assert protocol.requests_from_arrays(arrays) == items
+    assert protocol.requests_from_arrays(items[0].to_arrays()) == items[:1]
+    flat = {name: array.reshape(-1) for name, array in arrays.items()}  # [N] as well as [N, 1]
+    assert protocol.requests_from_arrays(flat) == items
+    absent = {protocol.TEXT: arrays[protocol.TEXT], protocol.SCHEMA: arrays[protocol.SCHEMA]}
+    assert protocol.requests_from_arrays(absent) == [Request(r.text, r.schema) for r in items], "defaults for all"
+    with pytest.raises(ValueError, match="must hold one element, got shape \\(3, 1\\)"):
+        Request.from_arrays(arrays)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"THRESHOLD": np.full((1, 1), 0.5, np.float32)},
+            "input THRESHOLD has shape \\(1, 1\\), but the request has 2 items",
+        ),
+        ({"ADAPTER_ID": np.array([[b"a"]] * 3, dtype=np.object_)}, "input ADAPTER_ID has shape \\(3, 1\\)"),
+        ({"TEXT": np.array([[b"a", b"b"]] * 2, dtype=np.object_)}, "input TEXT has shape \\(2, 2\\)"),
+        ({"TEXT": np.empty((0, 1), dtype=np.object_)}, "input TEXT holds no item"),
+        (
+            {"TEXT": np.array([[b"ok"], [b"\xff"]], dtype=np.object_)},
+            "^item 1 \\(0-based\\) of 2: TEXT is not valid UTF-8",
+        ),
+        (
+            {"THRESHOLD": np.array([[0.5], [np.nan]], np.float32)},
+            "^item 1 \\(0-based\\) of 2: threshold must be a finite",
+        ),
+        ({"SCHEMA": None}, "^input SCHEMA is required$"),
+    ],
+)
+def test_bad_requests_of_several_items_name_the_tensor_and_the_item(change, message):
+    """Every input present holds one value per item ([N, 1]), as Triton itself requires: an
+    optional input is absent or N values, never one for all; a bad item names itself."""
+    arrays = {**_batch([Request("t", SCHEMA), Request("u", SCHEMA)]), **change}
+    with pytest.raises(ValueError, match=message):
+        protocol.requests_from_arrays({k: v for k, v in arrays.items() if v is not None})
+
+
+def test_results_array_holds_one_result_per_item():
+    results = [{"entities": {"city": ["Zürich"]}}, {"t": "a"}, {}]
+    array = protocol.results_array(results)
+    assert array.shape == (3, 1) and array.dtype == np.object_
+    assert protocol.parse_results(array) == results
+    assert protocol.parse_results(protocol.result_array(results[0])) == results[:1]
 
 
 def test_result_array_round_trip_keeps_unicode():

@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from fault_tools import infer_inputs, pipeline_loads, reference_answer, write_gliner2_model
+from fault_tools import (
+    GRPC_STATUS,
+    HTTP_STATUS,
+    infer_inputs,
+    pipeline_loads,
+    reference_answer,
+    send_together,
+    write_gliner2_model,
+)
 from manylora.client import protocol
 from tritonclient.utils import InferenceServerException
 
@@ -87,10 +95,11 @@ def test_dynamic_batch_with_a_bad_request_answers_the_others(server, reference_m
     client = grpcclient.InferenceServerClient(server.grpc_url)
     before = client.get_inference_statistics("gliner2").model_stats[0]
     good = _requests(5)
+    good.append(protocol.Request("   ", json.dumps({"entities": ["x"]}), threshold=0.0))  # served, as by GLiNER2
     bad = [
         protocol.Request("Some text.", "{broken json"),
         protocol.Request("Some text.", json.dumps({"entities": ["x"]}), adapter="no-such-adapter"),
-        protocol.Request("   ", json.dumps({"entities": ["x"]})),
+        protocol.Request("Some text.", json.dumps({"entities": {"x": {"threshold": 1.5}}})),  # GLiNER2 refuses it
     ]
     requests = good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:]
     answers: dict[int, object] = {}
@@ -306,3 +315,113 @@ def test_locustfile_drives_grpc_and_http_users(server, demo_adapters, tmp_path):
         rows = {row["Type"]: row for row in csv.DictReader(f) if row["Name"] == "gliner2"}
     for kind in ("grpc", "http"):
         assert int(rows[kind]["Request Count"]) > 0 and int(rows[kind]["Failure Count"]) == 0, rows
+
+
+# ------------------------------------------------------------------ drop-in GLiNER2 (issue 18 item 3)
+EMPTY_AND_THRESHOLDS = [
+    ("", {"entities": ["person", "company"]}, 0.0),
+    ("  \n", {"classifications": [{"task": "sentiment", "labels": ["pos", "neg"]}]}, 0.5),
+    ("", {"relations": ["works_for"], "structures": {"p": {"fields": [{"name": "a"}]}}}, -0.5),
+    ("Tim Cook works for Apple in Cupertino.", {"entities": {"person": {"threshold": 0.3}, "city": {}}}, 1.5),
+    ("Tim Cook works for Apple in Cupertino.", {"entities": ["person", "company"], "relations": ["works_for"]}, -2.0),
+]
+
+
+def test_empty_texts_and_any_finite_threshold_equal_gliner2(server, reference_model):
+    """An empty (or whitespace-only) text, with a classification too, and thresholds outside
+    [0, 1] (the front clamps the T_MIN it sends the GPU stage, post filters by the real one):
+    GLiNER2's answers, through the drop-in client and raw tritonclient."""
+    from manylora.client import ManyLoRAClient
+
+    requests = [
+        protocol.Request(text, json.dumps(schema), threshold=t, include_confidence=True, include_spans=True)
+        for text, schema, t in EMPTY_AND_THRESHOLDS
+    ]
+    answers = send_together(server.grpc_url, [infer_inputs(grpcclient, r.to_arrays()) for r in requests])
+    for request, answer in zip(requests, answers):
+        assert not isinstance(answer, Exception), (request, answer)
+        got = protocol.parse_result(answer.as_numpy(protocol.RESULT))
+        assert not result_differences(got, reference_answer(reference_model, request)), request
+    assert '"text": "."' in json.dumps(reference_answer(reference_model, requests[0])), "not vacuous"
+    with ManyLoRAClient(server.grpc_url) as client:
+        tasks = {"sentiment": ["pos", "neg"]}
+        got = client.classify_text("", tasks, include_confidence=True)
+        assert not result_differences(got, reference_model.classify_text("", tasks, include_confidence=True))
+        got = client.extract_entities("", ["person"], threshold=0.0, include_confidence=True)
+        expected = reference_model.extract_entities("", ["person"], threshold=0.0, include_confidence=True)
+        assert not result_differences(got, expected)
+
+
+def _batched(requests) -> dict:
+    arrays = [r.to_arrays() for r in requests]
+    return {name: np.concatenate([a[name] for a in arrays]) for name in arrays[0]}
+
+
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_a_request_of_several_items_is_answered_item_by_item(server, reference_model, module):
+    """Inputs [N, 1] (tritonclient with a batch, perf_analyzer -b N): RESULT [N, 1], each item
+    GLiNER2's answer. One bad item fails the whole request (one response per request) with
+    that item's code, naming it; a one-value optional input for N items is Triton's to refuse."""
+    url = server.grpc_url if module is grpcclient else server.http_url
+    client = module.InferenceServerClient(url)
+    items = _requests(2) + [
+        protocol.Request(text, json.dumps(schema), threshold=t) for text, schema, t in EMPTY_AND_THRESHOLDS[:2]
+    ]
+    response = client.infer("gliner2", infer_inputs(module, _batched(items)))
+    result = response.as_numpy(protocol.RESULT)
+    assert result.shape == (len(items), 1)
+    for request, got in zip(items, protocol.parse_results(result)):
+        assert not result_differences(got, reference_answer(reference_model, request)), request
+    unknown = protocol.Request("Some text.", items[0].schema, adapter="no-such-adapter")
+    for bad, code, message in [
+        (
+            protocol.Request("Some text.", "{broken json"),
+            "INVALID_ARG",
+            "item 1 (0-based) of 3: SCHEMA is not valid JSON",
+        ),
+        (unknown, "NOT_FOUND", "item 1 (0-based) of 3: unknown adapter 'no-such-adapter'"),
+    ]:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("gliner2", infer_inputs(module, _batched([items[0], bad, items[1]])))
+        assert info.value.status() == (GRPC_STATUS if module is grpcclient else HTTP_STATUS)[code]
+        assert info.value.message().startswith(message), info.value.message()
+    one_value = _batched(items[:2])
+    one_value[protocol.THRESHOLD] = np.full((1, 1), 0.5, dtype=np.float32)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("gliner2", infer_inputs(module, one_value))
+    assert info.value.status() == (GRPC_STATUS if module is grpcclient else HTTP_STATUS)["INVALID_ARG"]
+    assert "input 'THRESHOLD' batch size does not match other inputs for 'gliner2'" in info.value.message()
+
+
+def test_perf_analyzer_with_a_batch_of_two(server, tmp_path):
+    """perf_analyzer -b 2 sends requests of two items: every one is answered (none fails)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    data = {
+        protocol.TEXT: {"content": ["Tim Cook works for Apple."], "shape": [1]},
+        protocol.SCHEMA: {"content": [json.dumps({"entities": ["person", "company"]})], "shape": [1]},
+        protocol.THRESHOLD: {"content": [1.5], "shape": [1]},
+    }
+    (tmp_path / "data.json").write_text(json.dumps({"data": [data]}))
+    env = dict(os.environ)
+    try:  # perf_analyzer from the tritonclient wheel needs libcudart.so.12
+        import nvidia.cuda_runtime
+
+        lib = Path(list(nvidia.cuda_runtime.__path__)[0]) / "lib"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(lib), env.get("LD_LIBRARY_PATH")]))
+    except ImportError:
+        pass
+    stats = grpcclient.InferenceServerClient(server.grpc_url)
+    before = stats.get_inference_statistics("gliner2").model_stats[0]
+    perf = shutil.which("perf_analyzer") or str(Path(sys.prefix) / "bin" / "perf_analyzer")
+    command = [perf, "-m", "gliner2", "-i", "grpc", "-u", server.grpc_url, "-b", "2"]
+    command += ["--input-data", str(tmp_path / "data.json"), "--concurrency-range", "1:1"]
+    command += ["--measurement-interval", "1000", "--stability-percentage", "999", "--max-trials", "3"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    after = stats.get_inference_statistics("gliner2").model_stats[0]
+    assert after.inference_stats.fail.count == before.inference_stats.fail.count, "no request failed"
+    assert after.inference_count - before.inference_count >= 2

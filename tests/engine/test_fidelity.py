@@ -141,8 +141,6 @@ def test_encoder_states_equal_transformers_on_checkpoint(tiny_engine, reference_
 @pytest.mark.parametrize(
     "request_kwargs,message",
     [
-        (dict(text="", schema='{"entities": ["a"]}'), "TEXT is empty"),
-        (dict(text="   \n", schema='{"entities": ["a"]}'), "TEXT is empty"),
         (dict(text="x", schema="{not json"), "not valid JSON"),
         (dict(text="x", schema="[1, 2]"), "must be a JSON object"),
         (dict(text="x", schema="{}"), "At least one of entities"),

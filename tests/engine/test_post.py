@@ -25,6 +25,7 @@ from manylora.post import (
     CompactRow,
     PostDecoder,
     compact_batch,
+    core_threshold,
     dtype_floor,
     head_outputs,
     needs_raw_logits,
@@ -295,6 +296,36 @@ def test_sparsification_drops_elements_and_t_min_changes_nothing(dense):
         _assert_equal(full.ours(threshold, True, True, rows=rows), expected, cases, "sparse")
 
 
+# GLiNER2 takes any request threshold: above 1 nothing passes, below 0 acts as 0 (scores are
+# sigmoids in [0, 1]). The GPU stage takes T_MIN in [0, 1] only: the front sends the clamped
+# core_threshold, the decoder compares with the request's own threshold. Values are FP32 (the wire).
+OUT_OF_RANGE = [float(np.float32(t)) for t in (-0.5, -1e30, 1.0, 1.0000001, 1.5, 1e30)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_out_of_range_thresholds_equal_gliner2_with_a_clamped_t_min(dense, dtype):
+    _, _, short, cases = dense[dtype]
+    for threshold in OUT_OF_RANGE:
+        t_min = [core_threshold(threshold, m) for m in short.metadata]
+        assert all(0.0 <= t <= 1.0 for t in t_min)
+        rows = short.compact(threshold, t_min=t_min)
+        for include_confidence, include_spans in OPTIONS[::3]:
+            expected = short.reference(threshold, include_confidence, include_spans)
+            got = short.ours(threshold, include_confidence, include_spans, rows=rows)
+            _assert_equal(got, expected, cases, f"{dtype} t={threshold}")
+    below = short.reference(-0.5, True, True)
+    assert below == short.reference(0.0, True, True), "below 0 acts as 0"
+    assert any(r != e for r, e in zip(below, short.reference(0.5, True, True))), "not vacuous"
+
+
+def test_core_threshold_is_sparsify_threshold_clamped_into_0_1():
+    metadata = {"entity_metadata": {"a": {"threshold": 0.3}}}
+    assert core_threshold(0.5, metadata) == 0.3 and core_threshold(0.5, {}) == 0.5
+    assert core_threshold(-2.0, metadata) == 0.0 and core_threshold(7.0, {}) == 1.0
+    assert core_threshold(7.0, metadata) == 0.3, "a per-entity threshold below the request's still counts"
+    assert core_threshold(float("nan"), {}) == 1.0
+
+
 def test_row_arrays_round_trip(dense):
     full, _, _, _ = dense[torch.bfloat16]
     for row in full.compact(0.5):
@@ -481,3 +512,226 @@ def test_sparsify_threshold_reads_every_metadata_threshold():
     assert sparsify_threshold(0.2, metadata) == 0.2
     assert sparsify_threshold(0.5, {}) == 0.5
     assert sparsify_threshold(float("nan"), {}) == math.inf
+
+
+# ---------------------------------------------------------------------------- the CPU front
+class FakePb:
+    """The parts of triton_python_backend_utils the front and the GPU stage use; a BLS request
+    (``InferenceRequest.exec``) runs the in-process GPU stage ``FakePb.core``."""
+
+    core = None  # a CoreModelHandler (core_overlap off), set by the fixture
+
+    class TritonError:
+        UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED = range(6)
+
+        def __init__(self, message: str, code: int = 0):
+            self._message, self.code = message, code
+
+        def message(self) -> str:
+            return self._message
+
+    class Tensor:
+        def __init__(self, name: str, array: np.ndarray):
+            self._name, self.array = name, array
+
+        def name(self) -> str:
+            return self._name
+
+        def as_numpy(self) -> np.ndarray:
+            return self.array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors: list, error=None):
+            self.output_tensors, self._error = output_tensors, error
+
+        def has_error(self) -> bool:
+            return self._error is not None
+
+        def error(self):
+            return self._error
+
+    class InferenceRequest:
+        def __init__(self, model_name: str, inputs: list, requested_output_names: list):
+            self.inputs = {t.name(): t.as_numpy() for t in inputs}
+
+        def exec(self):
+            (response,) = FakePb.core.execute([self.inputs])
+            return response
+
+    @staticmethod
+    def get_input_tensor_by_name(request: dict, name: str):
+        return None if name not in request else FakePb.Tensor(name, request[name])
+
+    @staticmethod
+    def get_output_tensor_by_name(response, name: str):
+        return next((t for t in response.output_tensors if t.name() == name), None)
+
+
+CODE_NAMES = {v: k for k, v in vars(FakePb.TritonError).items() if isinstance(v, int)}
+
+
+class NoMetrics:
+    def publish(self, engine) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def front(tiny_engine):
+    """The gliner2 front (TritonModelHandler._execute_front) with its GPU stage in process."""
+    from manylora.serving import CoreModelHandler, ExecuteProfiler, TritonModelHandler
+
+    core = CoreModelHandler.__new__(CoreModelHandler)
+    core.pb_utils, core.engine, core.metrics, core.control = FakePb, tiny_engine, NoMetrics(), None
+    core.profiler, core.vocab = ExecuteProfiler(None, ""), len(tiny_engine.processor.tokenizer)
+    FakePb.core = core
+    handler = TritonModelHandler.__new__(TritonModelHandler)
+    handler.pb_utils, handler.core_model = FakePb, "gliner2_core"
+    handler.pre, handler.post, handler.profiler = tiny_engine.pre, tiny_engine.post, ExecuteProfiler(None, "")
+    return handler
+
+
+def _gliner2(model, request):
+    from gliner2.inference.schema import Schema
+
+    result = model.extract(
+        request.text,
+        Schema.from_json(request.schema),
+        request.threshold,
+        True,
+        request.include_confidence,
+        request.include_spans,
+    )
+    return json.loads(json.dumps(result))
+
+
+def _answers(responses) -> list:
+    """Per response: its results (a list, one per item) or (code name, message)."""
+    from manylora.client import protocol
+
+    out = []
+    for response in responses:
+        if response.has_error():
+            out.append((CODE_NAMES[response.error().code], response.error().message()))
+        else:
+            (tensor,) = response.output_tensors
+            assert tensor.name() == protocol.RESULT and tensor.array.shape[1:] == (1,)
+            out.append(protocol.parse_results(tensor.array))
+    return out
+
+
+def _front_cases():
+    """(text, schema, threshold) covering every task kind, per-entity / per-field thresholds,
+    empty and whitespace-only texts, and thresholds outside [0, 1]."""
+    schemas = [
+        {"entities": {"person": {"threshold": 0.2}, "company": "a business", "date": {"dtype": "str"}}},
+        {"relations": ["works_for"], "classifications": [{"task": "sentiment", "labels": ["pos", "neg"]}]},
+        {
+            "structures": {
+                "deal": {
+                    "fields": [
+                        {"name": "buyer", "dtype": "str"},
+                        {"name": "kind", "dtype": "str", "choices": ["cash", "stock"]},
+                        {"name": "tags", "threshold": 0.1},
+                    ]
+                }
+            },
+            "classifications": [{"task": "topic", "labels": ["a", "b", "c"], "multi_label": True}],
+        },
+    ]
+    texts = ["Tim Cook works for Apple since 2019", "", "  ", "\n\t", "\u3000"]
+    thresholds = [0.5, 0.0, -0.5, 1.0, 1.5, 1e30]
+    return [
+        (text, json.dumps(schema), thresholds[(i + j) % len(thresholds)])
+        for i, text in enumerate(texts)
+        for j, schema in enumerate(schemas)
+    ]
+
+
+def test_front_answers_empty_texts_and_any_threshold_as_gliner2(front, reference_model):
+    """Through pre, the GPU stage (T_MIN clamped into [0, 1], which it requires) and post:
+    an empty or whitespace-only text, a classification of one, and thresholds outside [0, 1]
+    answer what GLiNER2.extract answers."""
+    from manylora.client.protocol import Request
+
+    requests = [
+        Request(t, s, threshold=th, include_confidence=True, include_spans=k % 2 == 0)
+        for k, (t, s, th) in enumerate(_front_cases())
+    ]
+    got = _answers(front.execute([r.to_arrays() for r in requests]))
+    failures = []
+    for request, answer in zip(requests, got):
+        expected = _gliner2(reference_model, request)
+        if not isinstance(answer, list) or result_differences(answer[0], expected, atol=1e-4):
+            failures.append(f"{request.text!r} t={request.threshold} {request.schema[:50]}: {answer} != {expected}")
+    assert not failures, "\n".join(failures[:5])
+    empty_low = [a[0] for r, a in zip(requests, got) if not r.text.strip() and r.threshold <= 0]
+    assert any('"text"' in json.dumps(a) for a in empty_low), "spans on an empty text's '.': not vacuous"
+
+
+def _batch(requests) -> dict:
+    """One Triton request of several items: each input [N, 1]."""
+    arrays = [r.to_arrays() for r in requests]
+    return {name: np.concatenate([a[name] for a in arrays]) for name in arrays[0]}
+
+
+def test_front_answers_a_request_of_several_items_item_by_item(front, reference_model):
+    """Inputs [N, 1] (perf_analyzer -b N, tritonclient with a batch): RESULT [N, 1], each item
+    GLiNER2's answer, next to one-item requests in the same execute."""
+    from manylora.client.protocol import Request
+
+    cases = _front_cases()
+    items = [Request(t, s, threshold=th, include_spans=k % 3 == 0) for k, (t, s, th) in enumerate(cases[:5])]
+    single = Request(*cases[5][:2], include_confidence=True)
+    absent = _batch(items[:2])  # optional inputs left out: their defaults for every item
+    for name in ("ADAPTER_ID", "THRESHOLD", "INCLUDE_CONFIDENCE", "INCLUDE_SPANS"):
+        del absent[name]
+    responses = front.execute([_batch(items), single.to_arrays(), absent])
+    assert responses[0].output_tensors[0].array.shape == (5, 1)
+    got_items, (got_single,), got_absent = _answers(responses)
+    defaults = [Request(r.text, r.schema) for r in items[:2]]
+    for request, answer in zip(items + [single] + defaults, got_items + [got_single] + got_absent):
+        assert not result_differences(answer, _gliner2(reference_model, request), atol=1e-4), request
+
+
+def test_one_bad_item_fails_its_whole_request_alone(front, reference_model):
+    """A request is answered once: its first bad item (found by the front, or by the GPU stage)
+    fails it with that item's code, the item named; the other requests are answered."""
+    from manylora.client.protocol import Request
+
+    good = Request("Ada Lovelace met Charles Babbage in London.", json.dumps({"entities": ["person", "city"]}))
+    bad_schema = Request("Some text.", "{broken")
+    unknown = Request("Some text.", good.schema, adapter="no-such-adapter")
+    one_value = _batch([good, good])
+    one_value["THRESHOLD"] = np.full((1, 1), 0.5, dtype=np.float32)  # Triton refuses this itself too
+    not_utf8 = _batch([good, good, good])
+    not_utf8["TEXT"][2, 0] = b"\xff"
+    batch = [_batch([good, bad_schema, bad_schema]), good.to_arrays(), _batch([good, unknown]), one_value, not_utf8]
+    got = _answers(front.execute(batch))
+    assert got[0][0] == "INVALID_ARG" and got[0][1].startswith("item 1 (0-based) of 3: SCHEMA is not valid JSON")
+    assert got[2][0] == "NOT_FOUND" and got[2][1].startswith("item 1 (0-based) of 2: unknown adapter 'no-such-adapter'")
+    assert got[3] == (
+        "INVALID_ARG",
+        "input THRESHOLD has shape (1, 1), but the request has 2 items (TEXT): "
+        "every input present needs one value per item, shape [2, 1]",
+    )
+    assert got[4][0] == "INVALID_ARG" and got[4][1].startswith("item 2 (0-based) of 3: TEXT is not valid UTF-8")
+    assert not result_differences(got[1][0], _gliner2(reference_model, good), atol=1e-4)
+    (alone,) = _answers(front.execute([bad_schema.to_arrays()]))
+    assert alone[0] == "INVALID_ARG" and alone[1].startswith("SCHEMA is not valid JSON"), "one item: no item named"
+
+
+def test_single_design_answers_a_request_of_several_items(tiny_engine, reference_model):
+    """Without a GPU stage (core_model none), the instance runs every stage: the same contract."""
+    from manylora.client.protocol import Request
+
+    from manylora.serving import ExecuteProfiler, TritonModelHandler
+
+    handler = TritonModelHandler.__new__(TritonModelHandler)
+    handler.pb_utils, handler.engine, handler.metrics = FakePb, tiny_engine, NoMetrics()
+    handler.profiler = ExecuteProfiler(None, "")
+    items = [Request(t, s, threshold=th) for t, s, th in _front_cases()[:4]]
+    bad = Request("Some text.", items[0].schema, adapter="no-such-adapter")
+    got = _answers(handler.execute([_batch(items), _batch([items[0], bad])]))
+    for request, answer in zip(items, got[0]):
+        assert not result_differences(answer, _gliner2(reference_model, request), atol=1e-4), request
+    assert got[1][0] == "NOT_FOUND" and got[1][1].startswith("item 1 (0-based) of 2: unknown adapter")

@@ -20,6 +20,10 @@ TEXTS = demo_texts(30, seed=31) + [
     "   spaced   out   ",
     "(",
     "[E] [SEP_TEXT] fake specials in text.",
+    "",  # empty and whitespace-only texts are served: GLiNER2 makes them "." (and " ." ...)
+    " ",
+    "\n\t",
+    "\u3000\u2003",
 ]
 
 
