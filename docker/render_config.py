@@ -32,6 +32,13 @@ and batching; only what a deployment sets changes:
     MANYLORA_FRONT_INSTANCES     -> count of gliner2's instance group (KIND_CPU; default: the
                                     committed count): one process each, about one busy core
                                     each under load
+    MANYLORA_CONTROL_COMMANDS    -> parameter allowed_commands of manylora_control: "" keeps
+                                    the committed one (all); "list,stats" = read-only (the other
+                                    commands answer UNSUPPORTED); any of list, preload, evict,
+                                    stats (comma-separated) or "all"; "none" = leave
+                                    manylora_control out of the copy (no adapter control channel:
+                                    whoever can send inference requests can otherwise send
+                                    the allowed commands)
 
 MANYLORA_PARAM_CORE_MODEL=none serves the old single-model layout: gliner2 runs every stage
 itself, so it takes gliner2_core's committed parameters and instance group and every
@@ -64,6 +71,15 @@ FRONT_KEYS = frozenset({"checkpoint", "max_request_tokens", "core_model"})
 FRONT_ONLY_KEYS = frozenset({"core_model"})
 PATH_KEYS = ("checkpoint", "adapter_dir", "control_dir")
 SINGLE_MODEL = "none"  # core_model value: the front runs every stage itself
+CONTROL_COMMANDS = "MANYLORA_CONTROL_COMMANDS"
+# manylora.control.COMMANDS (not imported: the renderer needs no manylora); its order is the rendered one
+CONTROL_COMMAND_NAMES = ("list", "preload", "evict", "stats")
+NO_CONTROL = "none"  # MANYLORA_CONTROL_COMMANDS value: manylora_control left out
+# why a model can be left out of the copy (main prints it)
+LEFT_OUT = {
+    "gliner2_core": f"core_model {SINGLE_MODEL}: {FRONT} runs every stage",
+    "manylora_control": f"{CONTROL_COMMANDS}={NO_CONTROL}: no adapter control channel",
+}
 
 
 class RenderError(ValueError):
@@ -88,6 +104,21 @@ def _count(env: Mapping[str, str], name: str, default: str) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise RenderError(f"{name}: expected a positive integer, got {raw!r}")
     return int(raw)
+
+
+def _allowed_commands(raw: str) -> str | None:
+    """MANYLORA_CONTROL_COMMANDS as manylora_control's allowed_commands ("all", or the named
+    commands in their canonical order); None for "none" (leave the control model out)."""
+    names = [part.strip().lower() for part in raw.split(",")]
+    if names == [NO_CONTROL] or names == ["all"]:
+        return None if names == [NO_CONTROL] else "all"
+    unknown = sorted({n for n in names if n not in CONTROL_COMMAND_NAMES})
+    if unknown or not names:
+        raise RenderError(
+            f"{CONTROL_COMMANDS}: expected 'all', 'none' or some of {', '.join(CONTROL_COMMAND_NAMES)} "
+            f"(comma-separated), got {raw!r}"
+        )
+    return ",".join(c for c in CONTROL_COMMAND_NAMES if c in names)
 
 
 def environment_parameters(env: Mapping[str, str]) -> dict[str, str]:
@@ -171,7 +202,8 @@ def _set_front_instances(config, env: Mapping[str, str]) -> None:
 def render_models(source: Path, env: Mapping[str, str]) -> dict[str, str | None]:
     """The rendered config.pbtxt text of each model of ``source`` that the environment
     changes (comments are not kept), by model name; None = leave that model out of the copy.
-    gliner2 and gliner2_core are always rendered (their paths are made absolute)."""
+    gliner2 and gliner2_core are always rendered (their paths are made absolute);
+    manylora_control when control_dir or MANYLORA_CONTROL_COMMANDS changes it."""
     from google.protobuf import text_format
 
     front = _parse((source / FRONT / "config.pbtxt").read_text())
@@ -213,12 +245,22 @@ def render_models(source: Path, env: Mapping[str, str]) -> dict[str, str | None]
         rendered[FRONT] = text_format.MessageToString(front)
         rendered[CORE] = text_format.MessageToString(core)
         engine_parameters = core_parameters
+    commands = env.get(CONTROL_COMMANDS, "").strip()
+    allowed = _allowed_commands(commands) if commands else ""  # checked even without a control model
+    if not (source / CONTROL / "config.pbtxt").is_file():
+        return rendered
+    if allowed is None:
+        rendered[CONTROL] = None
+        return rendered
+    control = _parse((source / CONTROL / "config.pbtxt").read_text())
     control_dir = engine_parameters.get("control_dir", "").strip()
-    if control_dir and control_dir != "none" and (source / CONTROL / "config.pbtxt").is_file():
+    if control_dir and control_dir != "none":
         engine_dir = source / (FRONT if core_model == SINGLE_MODEL else CORE)
-        control = _parse((source / CONTROL / "config.pbtxt").read_text())
         # the same folder as the engine's, even when it was given relative (from the engine's folder)
         control.parameters["control_dir"].string_value = _absolute(control_dir, engine_dir)
+    if allowed:
+        control.parameters["allowed_commands"].string_value = allowed
+    if (control_dir and control_dir != "none") or allowed:
         rendered[CONTROL] = text_format.MessageToString(control)
     return rendered
 
@@ -250,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, text in rendered.items():
         if text is None:
-            print(f"# {name}: left out (core_model none: {FRONT} runs every stage)")
+            print(f"# {name}: left out ({LEFT_OUT.get(name, 'not served')})")
         else:
             print(f"# {name}/config.pbtxt\n{text}", end="" if text.endswith("\n") else "\n")
     return 0

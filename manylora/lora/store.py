@@ -451,7 +451,9 @@ class AdapterStore:
         limit = float(torch.finfo(self.dtype).max)
         scales = {name: module.scale for name, module in adapter.modules.items()}
         for name, scale in scales.items():
-            if not math.isfinite(float(np.float32(scale))) or abs(float(np.float32(scale))) > limit:
+            # a scale beyond float32's range is refused before its float32 cast, which numpy warns about
+            too_large = not math.isfinite(scale) or abs(scale) > float(np.finfo(np.float32).max)
+            if too_large or abs(float(np.float32(scale))) > limit:
                 raise AdapterError(
                     "INVALID_ARG",
                     f"adapter {adapter.name!r} cannot be served: {name} has a scale beyond float32's range",

@@ -253,3 +253,45 @@ def test_main_prints_every_rendered_config(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MANYLORA_GPUS", "bad")
     assert render_config.main(["--source", str(SOURCE), "--out", str(tmp_path / "r")]) == 2
     assert "MANYLORA_GPUS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "wanted"),
+    [("list,stats", "list,stats"), (" Stats , LIST ", "list,stats"), ("evict,preload,list", "list,preload,evict")],
+)
+def test_control_commands_restrict_the_control_model(value, wanted):
+    from manylora.control import ControlSettings
+
+    rendered = render({"MANYLORA_CONTROL_COMMANDS": value})
+    control = rendered[CONTROL]
+    assert parameters(control)["allowed_commands"] == wanted
+    as_json = json.loads(json_format.MessageToJson(control, preserving_proto_field_name=True))
+    settings = ControlSettings.from_model_config(as_json, model_dir=SOURCE / CONTROL)  # as the model loads it
+    assert ",".join(settings.allowed_commands) == wanted
+    control.parameters["allowed_commands"].string_value = committed(CONTROL).parameters["allowed_commands"].string_value
+    assert control == committed(CONTROL), "nothing else of the control model moved"
+    assert rendered[FRONT] == render({})[FRONT] and rendered[CORE] == render({})[CORE]
+    both = render({"MANYLORA_CONTROL_COMMANDS": value, "MANYLORA_PARAM_CONTROL_DIR": "/srv/control"})
+    assert parameters(both[CONTROL])["allowed_commands"] == wanted
+    assert parameters(both[CONTROL])["control_dir"] == parameters(both[CORE])["control_dir"] == "/srv/control"
+    assert CONTROL not in render({"MANYLORA_CONTROL_COMMANDS": ""}), "empty: the committed config (all)"
+    assert parameters(render({"MANYLORA_CONTROL_COMMANDS": "ALL"})[CONTROL])["allowed_commands"] == "all"
+
+
+def test_control_commands_none_leaves_the_control_model_out(tmp_path, capsys):
+    rendered = render({"MANYLORA_CONTROL_COMMANDS": "none", "MANYLORA_PARAM_CONTROL_DIR": "/srv/control"})
+    assert rendered[CONTROL] is None and parameters(rendered[CORE])["control_dir"] == "/srv/control"
+    out = tmp_path / "repository"
+    render_config.render_repository(SOURCE, out, {"MANYLORA_CONTROL_COMMANDS": "none"})
+    assert not (out / CONTROL).exists() and (out / CORE / "config.pbtxt").is_file()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MANYLORA_CONTROL_COMMANDS", "none")
+        assert render_config.main(["--source", str(SOURCE), "--out", str(tmp_path / "r")]) == 0
+    assert "# manylora_control: left out (MANYLORA_CONTROL_COMMANDS=none" in capsys.readouterr().out
+    assert not (tmp_path / "r" / CONTROL).exists()
+
+
+@pytest.mark.parametrize("value", ["drop", "list,drop", "all,list", "none,list", "list,,stats", ","])
+def test_bad_control_commands_are_refused_by_name(value):
+    with pytest.raises(render_config.RenderError, match="MANYLORA_CONTROL_COMMANDS"):
+        render_config.render_models(SOURCE, {"MANYLORA_CONTROL_COMMANDS": value})
