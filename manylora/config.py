@@ -95,6 +95,16 @@ def _fraction(key: str, raw: str) -> float:
     return value
 
 
+def _seconds(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"parameter {key!r}: expected a number of seconds > 0, got {raw!r}") from None
+    if not 0.0 < value < float("inf"):
+        raise ConfigError(f"parameter {key!r}: expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -121,6 +131,7 @@ class EngineConfig:
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
+    adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -173,6 +184,12 @@ class EngineConfig:
             False,
             "share of its GPU's memory the GPU stage may allocate (default 0.9); weights, adapter slots and "
             "one token budget's activations must fit in it, or the model refuses to load",
+        ),
+        "adapter_load_timeout": (
+            _seconds,
+            False,
+            "seconds a batch waits for one adapter's load from disk (default 10); past it the requests "
+            "for that adapter get UNAVAILABLE, the load goes on, and later requests use it",
         ),
         "cuda_graphs": (
             _on_off,

@@ -159,6 +159,7 @@ class Engine:
             host_slots=config.max_cpu_adapters,
             device=self.device,
             dtype=self.dtype,
+            load_timeout=config.adapter_load_timeout,
         )
         self.encoder_targets = set(self.encoder.linears())
         self.head_names = frozenset(self.heads.linears)

@@ -43,6 +43,7 @@ import time
 import weakref
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
@@ -63,6 +64,9 @@ REFUSALS_KEPT = 4096  # refused adapter folders remembered (until their files ch
 REFUSALS_BYTES = 4 << 20  # ... and at most this much of their ids, paths and messages
 
 LOAD_WORKERS = 2  # background disk -> host loader threads per store
+# deadline of a batch's wait for one adapter's load (config adapter_load_timeout): a load stuck in
+# the kernel (a hung network file system) fails the requests that need it, not the whole stage
+LOAD_TIMEOUT_S = 10.0
 
 
 def slot_bytes(shapes: Mapping[str, tuple[int, int]], max_rank: int, dtype: torch.dtype) -> int:
@@ -106,6 +110,7 @@ class AdapterStore:
         device: torch.device,
         dtype: torch.dtype,
         load_workers: int = LOAD_WORKERS,
+        load_timeout: Optional[float] = LOAD_TIMEOUT_S,
     ):
         per_slot = slot_bytes(shapes, max_rank, dtype)
         if gpu_slots < 1:
@@ -191,6 +196,9 @@ class AdapterStore:
         self._copy_timings: deque = deque(maxlen=4096)  # (start, end) CUDA events of copies not yet measured
         self._pin_warned = False
         self._executor = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="manylora-adapter-load")
+        # a batch waits at most this long for one adapter's disk load (None: no deadline, loads may
+        # run in the caller's thread); the load goes on, and its adapter serves later requests
+        self.load_timeout = load_timeout
         weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         # adapter id -> (folder, fingerprint, code, message): a refused folder is not read again until it
         # changes. Only strings are kept, never the exception (its traceback holds the file's bytes)
@@ -237,13 +245,26 @@ class AdapterStore:
                     if not joined:
                         self.events["miss", "host"] += 1
                     counted = True
+                # a new load, or one still queued behind others: this request runs it now rather
+                # than wait for a loader thread
                 claimed = future.set_running_or_notify_cancel() if not (future.running() or future.done()) else False
-            if claimed:
+            if claimed and self.load_timeout is None:
                 self._load(adapter_id, folder, future)
+            elif claimed:  # on a thread of its own, so that the wait below has a deadline
+                threading.Thread(
+                    target=self._load, args=(adapter_id, folder, future), name="manylora-adapter-load", daemon=True
+                ).start()
             try:
-                adapter = future.result()
-            except CancelledError:  # evicted while queued: load it here
+                adapter = future.result(timeout=self.load_timeout)
+            except CancelledError:  # evicted while queued: load it again
                 continue
+            except FutureTimeout:
+                self.events["timeout", "host"] += 1
+                raise AdapterError(
+                    "UNAVAILABLE",
+                    f"adapter {adapter_id!r} did not load within {self.load_timeout:g} s (adapter_load_timeout); "
+                    "its load goes on: retry later",
+                ) from None
             if claimed or adapter.fingerprint == fingerprint:
                 return adapter
             # the load we waited for read an older version: look at the folder again

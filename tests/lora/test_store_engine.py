@@ -168,3 +168,43 @@ def test_a_batch_looks_each_adapter_up_once(engine, fleet, monkeypatch):
     assert engine.store.stats()["events"]["host"]["hit"] - hits == 3
     alone = [engine.run([r])[0] for r in requests]  # each request in a batch of its own
     assert [result_differences(a, b, atol=1e-5) for a, b in zip(results, alone)] == [[]] * len(requests)
+
+
+def test_a_stuck_load_fails_only_its_requests_and_serves_later_ones(engine, fleet, peft_reference, monkeypatch):
+    """A load that blocks (a hung file system) past adapter_load_timeout: the requests for that
+    adapter get UNAVAILABLE, the rest of the batch equals GLiNER2 + PEFT, nothing waits longer
+    than the deadline, and once the load ends its adapter serves the next requests."""
+    import time
+
+    from manylora.lora import store as store_module
+
+    root, names = fleet
+    stuck, others = names[0], names[1:3]
+    release = threading.Event()
+    load = store_module.load_adapter
+
+    def slow_load(adapter_id, *args, **kwargs):
+        if adapter_id == stuck:
+            release.wait(30)
+        return load(adapter_id, *args, **kwargs)
+
+    monkeypatch.setattr(store_module, "load_adapter", slow_load)
+    engine.store.load_timeout = 0.5
+    requests = _requests([stuck, others[0], "", others[1], stuck], seed=31)
+    started = time.perf_counter()
+    answers = engine.run(requests)
+    assert time.perf_counter() - started < 10, "the batch waited for the stuck load"
+    for request, answer in zip(requests, answers):
+        if request.adapter == stuck:
+            assert getattr(answer, "code", None) == "UNAVAILABLE", answer
+            assert "did not load within 0.5 s" in answer.message
+    good = [(r, a) for r, a in zip(requests, answers) if r.adapter != stuck]
+    _check(
+        [r for r, _ in good], [a for _, a in good], _expected([r for r, _ in good], lambda n: root / n, peft_reference)
+    )
+    release.set()
+    deadline = time.monotonic() + 20
+    while engine.store._loading.get(stuck) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = [r for r in requests if r.adapter == stuck]
+    _check(again, engine.run(again), _expected(again, lambda n: root / n, peft_reference))
