@@ -346,18 +346,36 @@ def test_trained_demo_finds_the_entities_of_held_out_sentences(trained):
     assert sorted(found["location"]) == ["Berlin", "Paris"] and found["date"] == ["12 March 2024"]
     found = _extract(trained, VEGA, {"entities": {"company": "companies", "location": "places", "date": "dates"}})
     assert found["entities"] == {"company": ["Cobalt Motors"], "location": ["Japan"], "date": ["3 May 2026"]}
+    assert _extract(trained, NOWAK, {"entities": labels})["entities"] == {
+        "person": ["Sofia Nowak"],
+        "company": ["Kestrel Ventures"],
+        "location": ["Nairobi"],
+        "date": ["2015"],
+    }
 
 
-def test_trained_demo_scores_well_on_generated_held_out_texts(trained):
+def test_trained_demo_scores_well_on_generated_held_out_texts(trained, model):
+    """Held-out generated texts (another seed than training's): the lexicon's names, then made-up
+    names only (what the model can only find from the context); the calibrated random checkpoint
+    (``model``) fails the same bar."""
     from manylora.train_demo import entity_scores, task_scores
 
-    scores = entity_scores(trained, ["person", "organization", "location", "date", "money", "job title"])
-    for label in ("person", "organization", "location", "date"):
-        assert min(scores[label].values()) >= 0.8, (label, scores)
-    assert min(scores["money"]["recall"], scores["job title"]["recall"]) >= 0.5, scores
+    labels = ["person", "organization", "company", "location", "date", "money"]
+    scores = entity_scores(trained, labels)
+    for label in ("person", "organization", "company", "location", "date"):
+        assert min(scores[label].values()) >= 0.85, (label, scores)
+    assert scores["money"]["precision"] >= 0.8 and scores["money"]["recall"] >= 0.5, scores
+    novel = entity_scores(trained, labels, novel=1.0)
+    for label in ("location", "date"):
+        assert min(novel[label].values()) >= 0.85, (label, novel)
+    assert min(novel["person"].values()) >= 0.6, novel
+    assert novel["company"]["precision"] >= 0.8 and novel["company"]["recall"] >= 0.5, novel
     tasks = task_scores(trained)
-    assert tasks["sentiment_accuracy"] >= 0.8, tasks
-    assert tasks["relation_recall"] >= 0.3, tasks
+    assert tasks["sentiment_accuracy"] >= 0.85, tasks
+    assert tasks["relation_recall"] >= 0.25, tasks
+
+    untrained = entity_scores(model, labels)
+    assert all(untrained[label]["precision"] < 0.5 for label in ("person", "company", "location")), untrained
 
 
 def test_trained_demo_extracts_relations_and_classifies(trained):
@@ -382,10 +400,10 @@ def test_each_trained_adapter_changes_the_answer_as_trained(trained, with_adapte
 
     products = {"entities": ["company", "date", "product", "event"]}
     base, adapted = (_extract(m, VEGA, products)["entities"] for m in (trained, with_adapter["products-events"]))
-    assert base["product"] == [] and "the Vega smartwatch" in adapted["product"]
+    assert "the Vega smartwatch" not in base["product"] and "the Vega smartwatch" in adapted["product"]
     assert adapted["company"] == base["company"] == ["Cobalt Motors"]
     base, adapted = (_extract(m, MOREAU, products)["entities"] for m in (trained, with_adapter["products-events"]))
-    assert base["event"] == [] and "the climate summit" in adapted["event"]
+    assert "the climate summit" not in base["event"] and "the climate summit" in adapted["event"]
 
     issues = {"entities": ["person", "location", "issue"]}
     base, adapted = (_extract(m, LOPEZ, issues)["entities"] for m in (trained, with_adapter["issues"]))
@@ -399,7 +417,7 @@ def test_each_trained_adapter_changes_the_answer_as_trained(trained, with_adapte
         before = entity_scores(trained, labels, focus=focus)
         after = entity_scores(with_adapter[name], labels, focus=focus)
         for label in labels:
-            assert before[label]["recall"] <= 0.2 and min(after[label].values()) >= 0.8, (name, before, after)
+            assert before[label]["recall"] <= 0.2 and min(after[label].values()) >= 0.75, (name, before, after)
 
 
 def test_the_engine_answers_what_gliner2_and_peft_answer_with_the_trained_adapters(
