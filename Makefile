@@ -21,7 +21,7 @@ help: ## list the targets
 setup: ## create .venv and install torch + manylora[serve,test,kernels] (idempotent)
 	@VENV=$(VENV) bash scripts/setup.sh
 
-demo: setup ## build the trained tiny demo (about 3 minutes), its adapters and the base-size demo under models/
+demo: setup ## build the trained tiny demo and its adapters (about 4 minutes on 2 cores) and the base-size demo under models/
 	$(PY) -m manylora.demo --size tiny --train --replace-outdated --out $(DEMO_TINY)
 	$(PY) -m manylora.lora.demo_adapters --checkpoint $(DEMO_TINY) --out $(DEMO_ADAPTERS)
 	$(PY) -m manylora.demo --size base --out $(DEMO_BASE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,12 @@ def _trained_demo_dir(tmp_path_factory) -> Path:
     folder = root / "models" / ".test-cache" / f"trained-{key}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        return folder
     except OSError:
         return tmp_path_factory.mktemp("trained")
+    for stale in folder.parent.glob("trained-*"):  # builds of older code or data: never used again
+        if stale != folder and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
