@@ -107,9 +107,22 @@ def build_demo_adapter(checkpoint: Path, out: Path, spec: DemoAdapter, seed: int
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     peft_model.save_pretrained(str(tmp))
+    stable_config(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # a folder with adapter_model.safetensors is always complete
     return out
+
+
+def stable_config(folder: Path) -> None:
+    """Sort ``target_modules`` in the folder's adapter_config.json, written as PEFT writes it.
+
+    PEFT keeps target_modules as a set, so its saved order follows the interpreter's string
+    hash seed; sorted, two builds give the same bytes. PEFT reads the list in any order."""
+    path = Path(folder) / "adapter_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
 
 
 INDEX = "demo_adapters.json"
@@ -236,6 +249,7 @@ def build_trained_adapters(
     else:
         results = [_train_one(job) for job in jobs]
     for (_, _, name, _, _, _, wanted), trained in zip(jobs, results):
+        stable_config(out_dir / name)
         entry = {
             "rank": recipe.rank,
             "alpha": recipe.alpha,

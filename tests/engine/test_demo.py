@@ -476,6 +476,8 @@ def test_trained_builds_are_deterministic(tmp_path):
     for name in adapters[0]:
         one, two = (a[name] / "adapter_model.safetensors" for a in adapters)
         assert one.read_bytes() == two.read_bytes(), name
+        config = _read_json(adapters[0][name] / "adapter_config.json")  # PEFT's set, saved in a fixed order
+        assert config["target_modules"] == sorted(config["target_modules"]) and len(config["target_modules"]) > 2
     index = _read_json(tmp_path / "adapters-1" / "demo_adapters.json")
     stamp = (adapters[0]["issues"] / "adapter_model.safetensors").stat().st_mtime_ns
     build_trained_adapters(first, tmp_path / "adapters-1", recipe=adapter_recipe)  # current: kept as it is
