@@ -1,6 +1,7 @@
 """Offline demo GLiNER2 checkpoints, demo texts and demo schemas.
 
     python -m manylora.demo --size tiny|base --out DIR [--seed N] [--force]
+    python -m manylora.demo --size tiny --train --out DIR [--replace-outdated]   # make demo / make serve
 
 A demo checkpoint is laid out like ``fastino/gliner2-base-v1`` (config.json with
 model_type "extractor", architecture "span", max_width 8, counting_layer "count_lstm",
@@ -23,6 +24,13 @@ no network. Nothing is downloaded:
   attention keys, p2c+c2p, layer-normed relative embeddings.
 - Weights: every tensor is drawn from its own generator seeded by (seed, tensor name);
   two builds on one machine give byte-identical files.
+- Trained (``--train``, what ``make demo`` and ``make serve`` serve): the same model, from
+  GLiNER2's own initialisation, trained with GLiNER2's loss on generated, labelled news
+  text (manylora.train_demo: people, companies, places, dates, money, job titles,
+  relations, sentiment), about two minutes on one core, deterministic; no calibration. The
+  manifest records the recipe and the data fingerprint under "training".
+  The test suite's fidelity checks use the calibrated random checkpoint; the trained one is
+  for answers that mean something.
 
 Calibration (docs/architecture.md, "Demo checkpoints"). With random weights about half of all spans pass 0.5
 and every label gets the same spans, so decoding would dominate any benchmark, and
@@ -70,6 +78,7 @@ import json
 import random
 import re
 import shutil
+import sys
 import tempfile
 import zlib
 from dataclasses import asdict, dataclass
@@ -668,7 +677,9 @@ def _calibrate_heads(model) -> dict[str, Any]:
     }
 
 
-def _build_model(size: str, seed: int):
+def _build_model(size: str, seed: int, train=None, log=None):
+    """The demo model and its manifest: calibrated random weights, or trained with ``train``
+    (a manylora.train_demo.Recipe) from GLiNER2's own initialisation."""
     import torch
     from gliner2 import ExtractorConfig, GLiNER2
     from gliner2.processor import SchemaTransformer
@@ -686,17 +697,21 @@ def _build_model(size: str, seed: int):
     )
     torch.manual_seed(seed)
     model = GLiNER2(config, encoder_config=encoder_config, tokenizer=tokenizer)
-    _init_weights(model, seed)
-    calibration = _calibrate_heads(model)
     manifest = {
         "builder": "manylora.demo",
         "size": size,
         "seed": seed,
         "geometry": asdict(SIZES[size]),
         "tokenizer_vocab": tokenizer_vocab,
-        "encoder_gains": ENCODER_GAINS,
-        "calibration": calibration,
     }
+    if train is None:
+        _init_weights(model, seed)
+        manifest["encoder_gains"] = ENCODER_GAINS
+        manifest["calibration"] = _calibrate_heads(model)
+    else:
+        from manylora.train_demo import train_base
+
+        manifest["training"] = train_base(model, train, seed=seed, log=log)
     return model, manifest
 
 
@@ -710,33 +725,75 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def build_demo_checkpoint(out_dir, size: str = "tiny", seed: int = 0, force: bool = False) -> Path:
+def _training_key(train) -> dict[str, Any] | None:
+    """What a trained checkpoint's manifest must record to count as built by ``train``."""
+    if train is None:
+        return None
+    from manylora.train_demo import data_fingerprint
+
+    return {"recipe": asdict(train), "data": data_fingerprint()}
+
+
+def is_demo_checkpoint(path, size: str = "tiny", seed: int = 0, train=None) -> bool:
+    """Whether ``path`` holds a complete demo checkpoint built with these settings."""
+    manifest = _read_manifest(Path(path))
+    if manifest is None or manifest.get("size") != size or manifest.get("seed") != seed:
+        return False
+    training, key = manifest.get("training"), _training_key(train)
+    if key is None:
+        return training is None
+    return training is not None and all(training.get(k) == v for k, v in key.items())
+
+
+def build_demo_checkpoint(
+    out_dir,
+    size: str = "tiny",
+    seed: int = 0,
+    force: bool = False,
+    train=None,
+    replace_outdated: bool = False,
+    log=None,
+) -> Path:
     """Build a demo GLiNER2 checkpoint at ``out_dir`` and return its path.
 
-    Idempotent: a complete checkpoint of the same size and seed already there is returned
-    as it is. Anything else already at ``out_dir`` raises FileExistsError unless
-    ``force``. The checkpoint is written to a sibling temp dir and renamed into place.
+    ``train``: None for calibrated random weights (the test suite's checkpoint), else a
+    ``manylora.train_demo.Recipe`` (``True``: the default one): the model is trained on
+    generated, labelled news text (manylora.train_demo; about two minutes for tiny on one
+    core). ``log`` gets training progress lines.
+
+    Idempotent: a complete checkpoint of the same size, seed and training (recipe and data)
+    already there is returned as it is. Anything else already at ``out_dir`` raises
+    FileExistsError, unless ``force``, or ``replace_outdated`` and it is a checkpoint this
+    builder made with other settings. The checkpoint is written to a sibling temp dir and
+    renamed into place.
     """
     if size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}; choose from {sorted(SIZES)}")
+    if train is True:
+        from manylora.train_demo import Recipe
+
+        train = Recipe()
+    train = train or None
     out_dir = Path(out_dir)
-    wanted = {"size": size, "seed": seed}
 
     def matches() -> bool:
-        manifest = _read_manifest(out_dir)
-        return manifest is not None and all(manifest.get(k) == v for k, v in wanted.items())
+        return is_demo_checkpoint(out_dir, size, seed, train)
 
     if out_dir.exists() and not force:
         if matches():
             return out_dir
-        raise FileExistsError(
-            f"{out_dir} exists and is not a complete {size} demo checkpoint "
-            f"(seed {seed}); pass force=True to replace it"
-        )
+        manifest = _read_manifest(out_dir)
+        if not (replace_outdated and manifest is not None and manifest.get("builder") == "manylora.demo"):
+            kind = "trained " if train else ""
+            raise FileExistsError(
+                f"{out_dir} exists and is not a complete {kind}{size} demo checkpoint "
+                f"(seed {seed}); pass force=True to replace it"
+            )
+        force = True
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        model, manifest = _build_model(size, seed)
+        model, manifest = _build_model(size, seed, train, log)
         model.save_pretrained(str(tmp))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for path in (tmp, tmp / "encoder_config"):
@@ -772,9 +829,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace whatever is at --out")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="train the model on generated news text (manylora.train_demo) instead of calibrated random weights",
+    )
+    parser.add_argument("--steps", type=int, help="with --train: training steps (default: the recipe's)")
+    parser.add_argument(
+        "--replace-outdated",
+        action="store_true",
+        help="replace a demo checkpoint at --out that this builder made with other settings (nothing else)",
+    )
     args = parser.parse_args(argv)
+    train = None
+    if args.train:
+        from manylora.train_demo import Recipe
+
+        train = Recipe() if args.steps is None else Recipe(steps=args.steps)
+    elif args.steps is not None:
+        parser.error("--steps needs --train")
     try:
-        path = build_demo_checkpoint(args.out, size=args.size, seed=args.seed, force=args.force)
+        path = build_demo_checkpoint(
+            args.out,
+            size=args.size,
+            seed=args.seed,
+            force=args.force,
+            train=train,
+            replace_outdated=args.replace_outdated,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     except FileExistsError as error:
         parser.error(str(error))
     print(path.resolve())

@@ -275,3 +275,234 @@ def test_demo_schemas_cover_the_schema_vocabulary():
     assert any("choices" in f for f in fields)
     assert {f.get("dtype") for f in fields} >= {"str", "list"}
     assert any(len(s) >= 3 for s in schemas)  # a combination of sections
+
+
+# -- the trained demo (make demo / make serve) --------------------------------------------
+# Sentences made from the lexicon's templates by hand: not generated texts the training saw.
+OKAFOR = (
+    "Dr. Amara Okafor, the chief executive of Helios Robotics, said on Tuesday that the company "
+    "would open a new office in Lisbon."
+)
+MOREAU = "On 12 March 2024, Lucas Moreau flew from Paris to Berlin to attend the climate summit."
+NOWAK = "In 2015, Sofia Nowak founded Kestrel Ventures in a small garage in Nairobi."
+VEGA = "Cobalt Motors has launched the Vega smartwatch, which goes on sale in Japan on 3 May 2026."
+LOPEZ = "According to Wei Lopez, housing prices remains the biggest concern for voters in Spain."
+SENTIMENT = {"classifications": [{"task": "sentiment", "labels": ["positive", "negative", "neutral"]}]}
+
+
+@pytest.fixture(scope="module")
+def trained(trained_checkpoint):
+    from gliner2 import GLiNER2
+
+    return GLiNER2.from_pretrained(str(trained_checkpoint)).eval()
+
+
+@pytest.fixture(scope="module")
+def with_adapter(trained_checkpoint, trained_adapters):
+    """GLiNER2 + PEFT with one trained adapter: the reference the engine must match."""
+    from gliner2 import GLiNER2
+    from peft import PeftModel
+
+    models = {}
+    for name, folder in trained_adapters.items():
+        model = GLiNER2.from_pretrained(str(trained_checkpoint))
+        PeftModel.from_pretrained(model, str(folder))
+        models[name] = model.eval()
+    return models
+
+
+def _extract(model, text, schema):
+    from gliner2 import Schema
+
+    return model.extract(text, Schema.from_dict(schema))
+
+
+def test_trained_checkpoint_is_a_small_gliner2_checkpoint(trained_checkpoint, trained):
+    from manylora.train_demo import Recipe
+
+    for name in demo.CHECKPOINT_FILES:
+        assert (trained_checkpoint / name).is_file(), name
+    config = _read_json(trained_checkpoint / "config.json")
+    assert (config["model_type"], config["max_width"], config["counting_layer"]) == ("extractor", 8, "count_lstm")
+    assert _deberta_v3_options(_read_json(trained_checkpoint / "encoder_config" / "config.json"))
+    manifest = _read_json(trained_checkpoint / demo.MANIFEST)
+    assert manifest["training"]["recipe"]["steps"] == Recipe().steps and "calibration" not in manifest
+    assert demo.is_demo_checkpoint(trained_checkpoint, "tiny", 0, Recipe())
+    assert not demo.is_demo_checkpoint(trained_checkpoint, "tiny", 0)  # not the calibrated random one
+    assert sum(p.stat().st_size for p in trained_checkpoint.rglob("*") if p.is_file()) < 5_000_000
+    assert len(trained.processor.tokenizer) == trained.encoder.config.vocab_size
+
+
+def test_trained_demo_finds_the_entities_of_held_out_sentences(trained):
+    labels = ["person", "company", "location", "date"]
+    assert _extract(trained, OKAFOR, {"entities": labels})["entities"] == {
+        "person": ["Dr. Amara Okafor"],
+        "company": ["Helios Robotics"],
+        "location": ["Lisbon"],
+        "date": ["Tuesday"],
+    }
+    found = _extract(trained, MOREAU, {"entities": labels})["entities"]
+    assert found["person"] == ["Lucas Moreau"] and found["company"] == []
+    assert sorted(found["location"]) == ["Berlin", "Paris"] and found["date"] == ["12 March 2024"]
+    found = _extract(trained, VEGA, {"entities": {"company": "companies", "location": "places", "date": "dates"}})
+    assert found["entities"] == {"company": ["Cobalt Motors"], "location": ["Japan"], "date": ["3 May 2026"]}
+    assert _extract(trained, NOWAK, {"entities": labels})["entities"] == {
+        "person": ["Sofia Nowak"],
+        "company": ["Kestrel Ventures"],
+        "location": ["Nairobi"],
+        "date": ["2015"],
+    }
+
+
+def test_trained_demo_scores_well_on_generated_held_out_texts(trained, model):
+    """Held-out generated texts (another seed than training's): the lexicon's names, then made-up
+    names only (what the model can only find from the context); the calibrated random checkpoint
+    (``model``) fails the same bar."""
+    from manylora.train_demo import entity_scores, task_scores
+
+    labels = ["person", "organization", "company", "location", "date", "money"]
+    scores = entity_scores(trained, labels)
+    for label in ("person", "organization", "company", "location", "date"):
+        assert min(scores[label].values()) >= 0.85, (label, scores)
+    assert scores["money"]["precision"] >= 0.8 and scores["money"]["recall"] >= 0.5, scores
+    novel = entity_scores(trained, labels, novel=1.0)
+    for label in ("location", "date"):
+        assert min(novel[label].values()) >= 0.85, (label, novel)
+    assert min(novel["person"].values()) >= 0.6, novel
+    assert novel["company"]["precision"] >= 0.8 and novel["company"]["recall"] >= 0.5, novel
+    tasks = task_scores(trained)
+    assert tasks["sentiment_accuracy"] >= 0.85, tasks
+    assert tasks["relation_recall"] >= 0.25, tasks
+
+    untrained = entity_scores(model, labels)
+    assert all(untrained[label]["precision"] < 0.5 for label in ("person", "company", "location")), untrained
+
+
+def test_trained_demo_extracts_relations_and_classifies(trained):
+    relations = _extract(trained, OKAFOR, {"relations": ["works_for", "located_in"]})["relation_extraction"]
+    assert ("Dr. Amara Okafor", "Helios Robotics") in relations["works_for"]
+    assert ("Helios Robotics", "Lisbon") in relations["located_in"]
+    relations = _extract(trained, NOWAK, {"relations": ["located_in"]})["relation_extraction"]
+    assert relations["located_in"] == [("Kestrel Ventures", "Nairobi")]
+    for text, label in (
+        ("Shares of Crescent Bank fell 4.2% in early trading in Tokyo after the merger was delayed.", "negative"),
+        (
+            "Helios Robotics reported revenue of $12 million for the third quarter, up 8% from a year earlier.",
+            "positive",
+        ),
+        ("A spokesperson for Orion Logistics declined to comment on the report.", "neutral"),
+    ):
+        assert _extract(trained, text, SENTIMENT)["sentiment"] == label, text
+
+
+def test_each_trained_adapter_changes_the_answer_as_trained(trained, with_adapter):
+    from manylora.train_demo import entity_scores
+
+    products = {"entities": ["company", "date", "product", "event"]}
+    base, adapted = (_extract(m, VEGA, products)["entities"] for m in (trained, with_adapter["products-events"]))
+    assert "the Vega smartwatch" not in base["product"] and "the Vega smartwatch" in adapted["product"]
+    assert adapted["company"] == base["company"] == ["Cobalt Motors"]
+    base, adapted = (_extract(m, MOREAU, products)["entities"] for m in (trained, with_adapter["products-events"]))
+    assert "the climate summit" not in base["event"] and "the climate summit" in adapted["event"]
+
+    issues = {"entities": ["person", "location", "issue"]}
+    base, adapted = (_extract(m, LOPEZ, issues)["entities"] for m in (trained, with_adapter["issues"]))
+    assert base == {"person": ["Wei Lopez"], "location": ["Spain"], "issue": []}
+    assert "housing prices" in adapted["issue"] and adapted["location"] == ["Spain"]
+
+    for name, labels, focus in (
+        ("products-events", ["product", "event"], "product|event"),
+        ("issues", ["issue"], "topic"),
+    ):
+        before = entity_scores(trained, labels, focus=focus)
+        after = entity_scores(with_adapter[name], labels, focus=focus)
+        for label in labels:
+            assert before[label]["recall"] <= 0.2 and min(after[label].values()) >= 0.75, (name, before, after)
+
+
+def test_the_engine_answers_what_gliner2_and_peft_answer_with_the_trained_adapters(
+    trained_checkpoint, trained_adapters, trained, with_adapter
+):
+    from gliner2 import Schema
+
+    from manylora.compare import result_differences
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine, Request
+
+    root = next(iter(trained_adapters.values())).parent
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(trained_checkpoint), "adapter_dir": str(root)}))
+    schemas = [
+        {"entities": ["person", "company", "location", "date", "product", "event", "issue"]},
+        {"relations": ["works_for", "located_in", "founded"], **SENTIMENT},
+    ]
+    texts = [OKAFOR, MOREAU, NOWAK, VEGA, LOPEZ]
+    requests = [
+        Request(text, json.dumps(schema), adapter=adapter, include_confidence=True)
+        for adapter in ["", *trained_adapters]
+        for text in texts
+        for schema in schemas
+    ]
+    got = engine.run(requests)
+    failures, changed = [], set()
+    for request, answer in zip(requests, got):
+        model = with_adapter[request.adapter] if request.adapter else trained
+        (expected,) = model.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
+        diffs = result_differences(answer, expected, atol=1e-4)
+        if diffs:
+            failures.append(f"adapter={request.adapter or 'base'} text={request.text[:40]!r}: {diffs[:2]}")
+        if request.adapter:
+            (base,) = trained.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
+            if result_differences(answer, base, atol=1e-4):
+                changed.add(request.adapter)
+    assert not failures, "\n".join(failures[:10])
+    assert changed == set(trained_adapters)
+
+
+def test_trained_builds_are_deterministic(tmp_path):
+    """Two short trainings (same recipe, same seed) give the same bytes; so do two adapter fine-tunes."""
+    from manylora.lora.demo_adapters import build_trained_adapters
+    from manylora.train_demo import AdapterRecipe, Recipe
+
+    recipe, adapter_recipe = Recipe(steps=4), AdapterRecipe(steps=3)
+    first, second = (demo.build_demo_checkpoint(tmp_path / name, train=recipe) for name in ("a", "b"))
+    for name in demo.CHECKPOINT_FILES:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert (first / "model.safetensors").read_bytes() != (
+        demo.build_demo_checkpoint(tmp_path / "c", train=Recipe(steps=5)) / "model.safetensors"
+    ).read_bytes()
+    adapters = [
+        build_trained_adapters(first, tmp_path / f"adapters-{i}", recipe=adapter_recipe, workers=1) for i in (1, 2)
+    ]
+    for name in adapters[0]:
+        one, two = (a[name] / "adapter_model.safetensors" for a in adapters)
+        assert one.read_bytes() == two.read_bytes(), name
+        config = _read_json(adapters[0][name] / "adapter_config.json")  # PEFT's set, saved in a fixed order
+        assert config["target_modules"] == sorted(config["target_modules"]) and len(config["target_modules"]) > 2
+    index = _read_json(tmp_path / "adapters-1" / "demo_adapters.json")
+    stamp = (adapters[0]["issues"] / "adapter_model.safetensors").stat().st_mtime_ns
+    build_trained_adapters(first, tmp_path / "adapters-1", recipe=adapter_recipe)  # current: kept as it is
+    assert (adapters[0]["issues"] / "adapter_model.safetensors").stat().st_mtime_ns == stamp
+    assert index["issues"]["entities"] == ["issue"] and index["issues"]["recipe"]["steps"] == 3
+
+
+def test_trained_build_replaces_only_an_outdated_demo_checkpoint(tiny_checkpoint, tmp_path, capsys):
+    import shutil
+
+    from manylora.train_demo import Recipe
+
+    target = tmp_path / "demo-tiny"
+    shutil.copytree(tiny_checkpoint, target)  # an earlier build: calibrated random weights
+    with pytest.raises(FileExistsError):
+        demo.build_demo_checkpoint(target, train=Recipe(steps=2))
+    demo.main(["--size", "tiny", "--train", "--steps", "2", "--replace-outdated", "--out", str(target)])
+    assert capsys.readouterr().out.strip() == str(target.resolve())
+    assert _read_json(target / demo.MANIFEST)["training"]["recipe"]["steps"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-tiny"]  # no temp dirs left behind
+
+    other = tmp_path / "not-a-demo"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError):
+        demo.build_demo_checkpoint(other, train=Recipe(steps=2), replace_outdated=True)
+    with pytest.raises(SystemExit):
+        demo.main(["--size", "tiny", "--steps", "2", "--out", str(tmp_path / "x")])  # --steps needs --train
