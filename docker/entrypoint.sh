@@ -46,9 +46,9 @@ if [[ ! -f $checkpoint/config.json ]]; then
       "mount one there or set MANYLORA_CHECKPOINT" >&2
     exit 1
   fi
-  echo "entrypoint: no checkpoint at $checkpoint: serving the tiny demo checkpoint (random weights)"
+  echo "entrypoint: no checkpoint at $checkpoint: serving the trained tiny demo checkpoint (built on first start: a few minutes)"
   checkpoint=$run_dir/models/demo-tiny
-  [[ -f $checkpoint/config.json ]] || python3 -m manylora.demo --size tiny --out "$checkpoint"
+  [[ -f $checkpoint/config.json ]] || python3 -m manylora.demo --size tiny --train --out "$checkpoint"
   # Adapters are made for one checkpoint's shapes: the demo adapters go with the demo
   # checkpoint, and only into an empty or missing adapter folder; into that folder itself
   # when it is writable (compose's load test reads the adapter names from there; the demo
