@@ -95,6 +95,16 @@ def _fraction(key: str, raw: str) -> float:
     return value
 
 
+def _count(key: str, raw: str) -> int:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ConfigError(f"parameter {key!r}: expected an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"parameter {key!r}: expected an integer >= 0, got {raw!r}")
+    return value
+
+
 def _seconds(key: str, raw: str) -> float:
     try:
         value = float(raw)
@@ -131,6 +141,7 @@ class EngineConfig:
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
+    cuda_graph_warmup_rows: int = 16  # GPU stage: graphs captured at load for batches of up to this many rows
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     device: str = "cpu"
 
@@ -184,6 +195,12 @@ class EngineConfig:
             False,
             "share of its GPU's memory the GPU stage may allocate (default 0.9); weights, adapter slots and "
             "one token budget's activations must fit in it, or the model refuses to load",
+        ),
+        "cuda_graph_warmup_rows": (
+            _count,
+            False,
+            "GPU stage: CUDA graphs captured at load for every batch of up to this many rows (default 16), for "
+            "base rows and each preloaded adapters' module set; larger shapes are captured on first use; 0 = none",
         ),
         "adapter_load_timeout": (
             _seconds,

@@ -180,6 +180,8 @@ class Engine:
         self.list_heads = False
         if self.device.type == "cuda":
             self._probe_activations()
+        if self.graphs is not None and config.cuda_graph_warmup_rows:
+            self._warm_graphs(config.cuda_graph_warmup_rows)
 
     # ------------------------------------------------------------------ memory
     def _check_static_memory(self, parameters: int, shapes: dict) -> dict:
@@ -261,6 +263,30 @@ class Engine:
             _gib(memory["activations"]),
             _gib(memory["cap"]),
             _gib(memory["total"]),
+        )
+
+    def _warm_graphs(self, max_rows: int) -> None:
+        """Capture the small shapes' CUDA graphs at load, for base rows and for each (module set,
+        rank) of the adapters in host memory now (the preloaded ones); their pool joins the
+        memory statement."""
+        variants = {(frozenset(), 0)}
+        for adapter in self.store.host_adapters():
+            targets = frozenset(adapter.modules) & self.encoder_targets
+            if targets:
+                variants.add((targets, adapter.rank))
+        torch.cuda.synchronize(self.device)
+        before, started = torch.cuda.memory_allocated(self.device), time.perf_counter()
+        with torch.inference_mode():
+            count = self.graphs.warm(sorted(variants, key=lambda v: (len(v[0]), v[1])), max_rows)
+        torch.cuda.synchronize(self.device)
+        self.memory["cuda_graphs"] = torch.cuda.memory_allocated(self.device) - before
+        logger.info(
+            "captured %d CUDA graphs (batches of up to %d rows, %d variants) in %.1f s, %s",
+            count,
+            max_rows,
+            len(variants),
+            time.perf_counter() - started,
+            _gib(self.memory["cuda_graphs"]),
         )
 
     # ------------------------------------------------------------------ pre

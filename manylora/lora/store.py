@@ -708,6 +708,11 @@ class AdapterStore:
                 drained["host_to_gpu"].append(start.elapsed_time(end) / 1000.0)
             return drained
 
+    def host_adapters(self) -> list[LoraAdapter]:
+        """The adapters in host memory now (least recent first)."""
+        with self._lock:
+            return list(self._host.values())
+
     def resident(self, *, ignored: bool = False) -> dict:
         """Adapter ids in GPU slots and in host memory (least recent first). With ``ignored``, also
         ``"ignored"``: resident adapter id -> the modules whose tensors its file holds but its

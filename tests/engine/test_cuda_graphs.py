@@ -118,3 +118,20 @@ def test_shapes_beyond_the_graph_limits_run_eagerly(tiny_checkpoint, demo_adapte
     (answer,) = engine.run([Request(long_text, json.dumps({"entities": ["person"]}), adapter="enc-r8")])
     assert isinstance(answer, dict)
     assert graphs.stats["eager"] > before["eager"] and graphs.stats["captures"] == before["captures"]
+
+
+@needs_cuda
+def test_small_shapes_are_captured_at_load_for_base_and_preloaded_adapters(tiny_checkpoint, demo_adapters):
+    """cuda_graph_warmup_rows: every (rows bucket <= 4, length bucket) graph for base rows and for
+    the preloaded adapter's module set exists after load; a small request then captures nothing."""
+    from manylora.graphs import LENGTH_BUCKETS
+
+    root = next(iter(demo_adapters.values())).parent
+    engine = _engine(tiny_checkpoint, root, "cuda:0", preload_adapters="enc-r8", cuda_graph_warmup_rows=4)
+    buckets = [b for b in ROW_BUCKETS if b <= 4]
+    assert engine.graphs.stats["captures"] == 2 * len(buckets) * len(LENGTH_BUCKETS)
+    assert engine.memory["cuda_graphs"] >= 0
+    captures = engine.graphs.stats["captures"]
+    answers = engine.run(_requests(["enc-r8", ""], 3, seed=8))
+    assert all(isinstance(a, dict) for a in answers)
+    assert engine.graphs.stats["captures"] == captures and engine.graphs.stats["replays"] >= 1
