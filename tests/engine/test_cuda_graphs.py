@@ -91,12 +91,15 @@ def test_graphs_answer_like_the_eager_forward_and_peft(tiny_checkpoint, demo_ada
         _requests([""], 4, seed=4),  # base rows only: the graph without LoRA
         _requests(names, 37, seed=5),  # 37 rows in chunks of one length each, padded
     ]
+    stats = graphs.graphs.stats
+    at_load = dict(stats)  # base rows' small shapes are captured at load (cuda_graph_warmup_rows)
+    assert at_load["captures"] > 0
     for requests in cases + cases:  # the second pass replays what the first captured
         got, want = graphs.run(requests), eager.run(requests)
         diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(got, want)]
         assert diffs == [[]] * len(requests)
-    stats = graphs.graphs.stats
-    assert stats["captures"] >= 4 and stats["replays"] >= 2 * stats["captures"], stats
+    captured = stats["captures"] - at_load["captures"]  # the LoRA shapes (nothing preloaded): on first use
+    assert captured >= 3 and stats["replays"] - at_load["replays"] >= 2 * captured, stats
     for request, answer in zip(cases[1], graphs.run(cases[1])):
         model = peft_reference(demo_adapters[request.adapter] if request.adapter else None)
         (expected,) = model.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
