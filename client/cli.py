@@ -411,7 +411,7 @@ def _positive_float(value: str) -> float:
 
 
 def _threshold(value: str) -> float:
-    """Any finite number, as GLiNER2's threshold (above 1 finds nothing, below 0 acts as 0)."""
+    """Any number, as GLiNER2's threshold (above 1 and NaN find nothing, below 0 acts as 0)."""
     number = _number(value, float)
     try:
         return wire_threshold(number)

@@ -212,24 +212,19 @@ def item_message(message: str, item: int, items: int) -> str:
 
 
 def wire_threshold(value) -> float:
-    """``value`` as the FP32 THRESHOLD tensor carries it; ValueError unless it is finite there.
+    """``value`` as the FP32 THRESHOLD tensor carries it.
 
-    Any finite threshold is taken, as GLiNER2 2.1.0 takes it: a span (or choice) passes where
+    Any threshold is taken, as GLiNER2 2.1.0 takes it: a span (or choice) passes where
     ``score >= threshold`` and every score is in [0, 1], so above 1 nothing passes and below 0
-    acts as 0. NaN and +-inf are refused (INVALID_ARG), although GLiNER2 does not fail on
-    them (NaN and +inf pass no span, -inf acts as 0): they are never a threshold a caller
-    meant, and they are what FP32 makes of finite values beyond its range (1e39).
+    acts as 0; NaN and +inf pass nothing and -inf acts as 0 (GLiNER2 does not fail on them
+    either). FP32 makes finite values beyond its range (1e39) infinite, here as on the wire.
     """
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range
         number = math.inf if value > 0 else -math.inf
-    if math.isfinite(number):
-        with np.errstate(over="ignore"):
-            number = float(np.float32(number))  # the wire carries FP32: the value the server sees
-    if not math.isfinite(number):
-        raise ValueError(f"threshold must be a finite number, got {value}")
-    return number
+    with np.errstate(over="ignore"):
+        return float(np.float32(number))  # the wire carries FP32: the value the server sees
 
 
 def routing_headers(request: "Request") -> dict[str, str]:

@@ -343,15 +343,18 @@ def test_any_finite_threshold_is_sent_as_gliner2_takes_it(gliner2, threshold):
 
 
 @pytest.mark.parametrize("threshold", [float("nan"), float("inf"), -float("inf"), 1e39])
-def test_non_finite_thresholds_are_refused_though_gliner2_takes_them(gliner2, threshold):
-    """GLiNER2 2.1.0 does not fail on NaN or +-inf (NaN and inf find nothing, -inf acts as 0);
-    the client refuses them (the server too: INVALID_ARG), as 1e39, which FP32 makes inf."""
-    text, types = "Tim Cook works for Apple.", ["person", "company"]
-    gliner2.extract_entities(text, types, threshold)  # does not raise
+def test_non_finite_thresholds_answer_as_gliner2(gliner2, threshold):
+    """GLiNER2 2.1.0 takes NaN and +-inf (NaN and inf find nothing, -inf acts as 0); so does the
+    client, with 1e39 sent as FP32 makes it (inf)."""
+    text, types = "Tim Cook works for Apple in Cupertino.", ["person", "company"]
     transport = GLiNER2Transport(gliner2)
-    with pytest.raises(ValueError, match="threshold must be a finite number"):
-        make_client(transport).extract_entities(text, types, threshold)
-    assert transport.sent == []
+    got = make_client(transport).extract_entities(text, types, threshold, True, True)
+    wire = float(np.float32(threshold))
+    assert got == json.loads(json.dumps(gliner2.extract_entities(text, types, wire, True, True)))
+    if threshold > 0 or threshold != threshold:  # NaN, inf
+        assert got == {"entities": {"person": [], "company": []}}
+    else:
+        assert got == json.loads(json.dumps(gliner2.extract_entities(text, types, 0.0, True, True)))
 
 
 @pytest.mark.parametrize("value", [-0.5, 1.5, float("nan")])

@@ -299,7 +299,7 @@ def test_sparsification_drops_elements_and_t_min_changes_nothing(dense):
 # GLiNER2 takes any request threshold: above 1 nothing passes, below 0 acts as 0 (scores are
 # sigmoids in [0, 1]). The GPU stage takes T_MIN in [0, 1] only: the front sends the clamped
 # core_threshold, the decoder compares with the request's own threshold. Values are FP32 (the wire).
-OUT_OF_RANGE = [float(np.float32(t)) for t in (-0.5, -1e30, 1.0, 1.0000001, 1.5, 1e30)]
+OUT_OF_RANGE = [float(np.float32(t)) for t in (-0.5, -1e30, 1.0, 1.0000001, 1.5, 1e30, -np.inf, np.inf, np.nan)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -639,7 +639,7 @@ def _front_cases():
         },
     ]
     texts = ["Tim Cook works for Apple since 2019", "", "  ", "\n\t", "\u3000"]
-    thresholds = [0.5, 0.0, -0.5, 1.0, 1.5, 1e30]
+    thresholds = [0.5, 0.0, -0.5, 1.0, 1.5, 1e30, float("nan"), -float("inf")]
     return [
         (text, json.dumps(schema), thresholds[(i + j) % len(thresholds)])
         for i, text in enumerate(texts)
