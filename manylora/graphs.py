@@ -34,6 +34,7 @@ memory, an operation that cannot be captured) marks its key eager, logged once.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import threading
 import time
@@ -128,16 +129,7 @@ class StaticLoraBatch(LoraBatch):
             for bm, t in meta.tiles_by_block_m.items():
                 bound = min(self.builder._tile_cap, -(-tokens // bm) + self.rows)
                 tiles[bm] = SgmvTiles(block_m=bm, packed=t.packed, grid_bound=bound)
-            meta = SgmvMeta(
-                num_tokens=meta.num_tokens,
-                device=meta.device,
-                seg_starts=meta.seg_starts,
-                seg_slots=meta.seg_slots,
-                num_segments=meta.num_segments,
-                segments_bound=self.rows,
-                max_rank=self.max_rank,
-                tiles_by_block_m=tiles,
-            )
+            meta = dataclasses.replace(meta, segments_bound=self.rows, max_rank=self.max_rank, tiles_by_block_m=tiles)
             self.meta = meta
         values = torch.tensor(
             [slot_per_row, [max(s, 0) for s in slot_per_row], [int(s >= 0) for s in slot_per_row]], dtype=torch.int32
