@@ -78,8 +78,8 @@ class _GLiNER2Methods:
     Subclasses define ``_complete(plan)``: the sync client runs it and returns the result,
     the asyncio client returns a coroutine. Parameters that only mean something to a local
     model are taken for compatibility: ``num_workers`` is ignored; ``format_results=False``,
-    ``max_len``, ``overlap_policy`` and ``hidden_states`` raise ValueError, because the
-    server answers GLiNER2's formatted results with the model's own settings.
+    ``overlap_policy`` and ``hidden_states`` raise ValueError, because the server answers
+    GLiNER2's formatted results with the model's own settings. ``max_len`` is sent (MAX_LEN).
     """
 
     adapter: str | None
@@ -131,12 +131,13 @@ class _GLiNER2Methods:
         ``raise_on_error=False`` its slot holds the ManyLoRAError instead. ``adapter``
         may be one id per text.
         """
-        _remote_only(format_results, max_len, overlap_policy, hidden_states)
+        _remote_only(format_results, overlap_policy, hidden_states)
+        words = _max_len(max_len)
         texts = list(texts)
         encoded = _schemas_for(schemas, len(texts))
         adapters = self._adapters(adapter, len(texts))
         items = [
-            _item(text, schema, adapter_id, threshold, include_confidence, include_spans)
+            _item(text, schema, adapter_id, threshold, include_confidence, include_spans, words)
             for text, schema, adapter_id in zip(texts, encoded, adapters, strict=True)
         ]
         window = _window(batch_size, self.concurrency)
@@ -156,8 +157,16 @@ class _GLiNER2Methods:
         adapter: str | None = None,
     ):
         """``GLiNER2.extract``: one text, a Schema (or its dict / JSON)."""
-        _remote_only(format_results, max_len, overlap_policy)
-        item = _item(text, _encoded(schema), self._adapter(adapter), threshold, include_confidence, include_spans)
+        _remote_only(format_results, overlap_policy)
+        item = _item(
+            text,
+            _encoded(schema),
+            self._adapter(adapter),
+            threshold,
+            include_confidence,
+            include_spans,
+            _max_len(max_len),
+        )
         return self._complete(_Plan([item], _first, 1, True, [None]))
 
     def batch_extract_long(
@@ -184,7 +193,7 @@ class _GLiNER2Methods:
         default (whitespace) word splitter."""
         if not format_results:
             raise ValueError("batch_extract_long currently requires format_results=True")
-        _remote_only(True, None, overlap_policy)
+        _remote_only(True, overlap_policy)
         texts = list(texts)
         if not texts:
             return self._complete(_Plan([], list, 1, raise_on_error, []))
@@ -195,7 +204,8 @@ class _GLiNER2Methods:
             chunks = split_text_into_chunks(text, chunk_size, chunk_overlap)
             docs.append((text, schema, chunks))
             for chunk in chunks:
-                items.append(_item(chunk.text, schema, adapter_id, threshold, True, True))
+                # GLiNER2 reads at most chunk_size word tokens of each chunk (max_len=chunk_size)
+                items.append(_item(chunk.text, schema, adapter_id, threshold, True, True, chunk_size))
                 report.append(index)
 
         def finish(answers: list) -> list:
@@ -1055,7 +1065,9 @@ def _schemas_for(schemas, count: int) -> list[_Encoded]:
     return [_encoded(schemas)] * count
 
 
-def _item(text, schema: _Encoded, adapter: str, threshold, include_confidence, include_spans) -> Request:
+def _item(
+    text, schema: _Encoded, adapter: str, threshold, include_confidence, include_spans, max_len: int = 0
+) -> Request:
     """The Request for one text (an empty one too: the server answers it as GLiNER2 does)."""
     return Request(
         text=text,
@@ -1064,13 +1076,23 @@ def _item(text, schema: _Encoded, adapter: str, threshold, include_confidence, i
         threshold=threshold,
         include_confidence=include_confidence,
         include_spans=include_spans,
+        max_len=max_len,
     )
 
 
-def _remote_only(format_results, max_len, overlap_policy, hidden_states=None) -> None:
+def _max_len(max_len) -> int:
+    """GLiNER2's ``max_len`` as MAX_LEN carries it: None -> 0 (every word)."""
+    if max_len is None:
+        return 0
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    return max_len
+
+
+def _remote_only(format_results, overlap_policy, hidden_states=None) -> None:
     if not format_results:
         raise ValueError("format_results=False is not served: the server answers GLiNER2's formatted results")
-    for name, value in (("max_len", max_len), ("overlap_policy", overlap_policy), ("hidden_states", hidden_states)):
+    for name, value in (("overlap_policy", overlap_policy), ("hidden_states", hidden_states)):
         if value is not None:
             raise ValueError(f"{name} is not served: the server extracts with the model's own settings")
 

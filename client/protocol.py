@@ -31,6 +31,7 @@ ADAPTER_ID = "ADAPTER_ID"
 THRESHOLD = "THRESHOLD"
 INCLUDE_CONFIDENCE = "INCLUDE_CONFIDENCE"
 INCLUDE_SPANS = "INCLUDE_SPANS"
+MAX_LEN = "MAX_LEN"
 RESULT = "RESULT"
 
 BASE_ADAPTER = ""  # ADAPTER_ID value meaning "no adapter, base weights only"
@@ -38,6 +39,7 @@ BASE_ADAPTER = ""  # ADAPTER_ID value meaning "no adapter, base weights only"
 # replica where it is hot (deploy/k8s/router.yaml hashes on it); the server ignores it
 ADAPTER_HEADER = "x-adapter-id"
 DEFAULT_THRESHOLD = 0.5
+MAX_LEN_LIMIT = 2**31 - 1  # INT32
 
 ITEM_SHAPE = (1, 1)  # [batch of one request, dims [1]]
 
@@ -72,6 +74,9 @@ INPUTS = (
     TensorSpec(THRESHOLD, "TYPE_FP32", "FP32", np.float32, optional=True, default=DEFAULT_THRESHOLD),
     TensorSpec(INCLUDE_CONFIDENCE, "TYPE_BOOL", "BOOL", np.bool_, optional=True, default=False),
     TensorSpec(INCLUDE_SPANS, "TYPE_BOOL", "BOOL", np.bool_, optional=True, default=False),
+    # GLiNER2's max_len: at most this many word tokens of the text are read (0 = all); its
+    # *_long methods pass chunk_size for every chunk
+    TensorSpec(MAX_LEN, "TYPE_INT32", "INT32", np.int32, optional=True, default=0),
 )
 OUTPUTS = (TensorSpec(RESULT, "TYPE_STRING", "BYTES", np.object_),)
 
@@ -93,6 +98,7 @@ class Request:
     threshold: float = DEFAULT_THRESHOLD
     include_confidence: bool = False
     include_spans: bool = False
+    max_len: int = 0  # GLiNER2's max_len (word tokens of the text read); 0 = None, every token
 
     def __post_init__(self):
         for name, value in (("text", self.text), ("schema", self.schema), ("adapter", self.adapter)):
@@ -112,9 +118,15 @@ class Request:
         if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.floating, np.integer)):
             raise ValueError(f"threshold must be a number, got {type(threshold).__name__}")
         object.__setattr__(self, "threshold", wire_threshold(threshold))
+        max_len = self.max_len
+        if isinstance(max_len, (bool, np.bool_)) or not isinstance(max_len, (int, np.integer)):
+            raise ValueError(f"max_len must be an integer, got {type(max_len).__name__}")
+        if not 0 <= max_len <= MAX_LEN_LIMIT:
+            raise ValueError(f"max_len must be within [0, {MAX_LEN_LIMIT}] (0: every word), got {max_len}")
+        object.__setattr__(self, "max_len", int(max_len))
 
     def to_arrays(self) -> dict:
-        """All six input tensors, each shaped ``[1, 1]``.
+        """All seven input tensors, each shaped ``[1, 1]``.
 
         Optional inputs are always filled in: Triton's dynamic batcher only puts
         requests with the same set of inputs into one batch, so a client that left
@@ -127,6 +139,7 @@ class Request:
             THRESHOLD: np.full(ITEM_SHAPE, self.threshold, dtype=np.float32),
             INCLUDE_CONFIDENCE: np.full(ITEM_SHAPE, self.include_confidence, dtype=np.bool_),
             INCLUDE_SPANS: np.full(ITEM_SHAPE, self.include_spans, dtype=np.bool_),
+            MAX_LEN: np.full(ITEM_SHAPE, self.max_len, dtype=np.int32),
         }
 
     @classmethod
@@ -176,6 +189,8 @@ def requests_from_arrays(arrays: Mapping[str, np.ndarray | None], items: Optiona
             raise ValueError(f"{spec.name} must be FP32, got {array.dtype}")
         if spec.triton_dtype == "BOOL" and array.dtype.kind != "b":
             raise ValueError(f"{spec.name} must be BOOL, got {array.dtype}")
+        if spec.triton_dtype == "INT32" and array.dtype.kind not in "iu":
+            raise ValueError(f"{spec.name} must be INT32, got {array.dtype}")
         columns[spec.name] = array.reshape(-1).tolist()
     requests = []
     for item in range(count or 0):
@@ -189,6 +204,8 @@ def requests_from_arrays(arrays: Mapping[str, np.ndarray | None], items: Optiona
                     values[spec.name] = _decode_utf8(spec.name, column[item])
                 elif spec.triton_dtype == "FP32":
                     values[spec.name] = float(column[item])
+                elif spec.triton_dtype == "INT32":
+                    values[spec.name] = int(column[item])
                 else:
                     values[spec.name] = bool(column[item])
             requests.append(
@@ -199,6 +216,7 @@ def requests_from_arrays(arrays: Mapping[str, np.ndarray | None], items: Optiona
                     threshold=values[THRESHOLD],
                     include_confidence=values[INCLUDE_CONFIDENCE],
                     include_spans=values[INCLUDE_SPANS],
+                    max_len=values[MAX_LEN],
                 )
             )
         except ValueError as err:

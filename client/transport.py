@@ -32,7 +32,7 @@ def triton_module(name: str):
 def infer_inputs(name: str, request: protocol.Request) -> list[Any]:
     """The tritonclient ``InferInput`` list for one request over protocol ``name``.
 
-    All six inputs are sent, shaped ``[1, 1]``; HTTP sends tensors as binary data.
+    All seven inputs are sent, shaped ``[1, 1]``; HTTP sends tensors as binary data.
     """
     module = triton_module(name)
     inputs = []

@@ -143,7 +143,7 @@ class Preprocessor:
         limit = self.max_request_tokens
         tokens = None
         try:
-            record = self.records.record(request.text, part, limit)
+            record = self.records.record(request.text, part, limit, getattr(request, "max_len", 0))
         except TokenLimitExceeded as exc:
             tokens = exc.tokens  # raised below, outside this block: the error must not hold the
             # refused request's words and ids through its __context__'s traceback

@@ -419,12 +419,15 @@ class RecordBuilder:
             schema_special_positions=probe.schema_special_positions,
         )
 
-    def record(self, text: str, part: SchemaPart, limit: Optional[int] = None) -> TransformedRecord:
-        """The record GLiNER2's ``transform_record(text, schema)`` would build. ``limit``: raise
-        TokenLimitExceeded, caching nothing, if it would hold more tokens than that."""
+    def record(self, text: str, part: SchemaPart, limit: Optional[int] = None, max_len: int = 0) -> TransformedRecord:
+        """The record GLiNER2's ``transform_record(text, schema, max_len)`` would build (``max_len``
+        0: None, every word). ``limit``: raise TokenLimitExceeded, caching nothing, if it would
+        hold more tokens than that."""
         p = self.processor
         text = p._normalize_text(text)
         words, starts, ends = self._split(text)
+        if max_len and len(words) > max_len:  # GLiNER2 cuts the text's word tokens, the text stays whole
+            words, starts, ends = words[:max_len], starts[:max_len], ends[:max_len]
         text_tokens = list(part.prefix) + words
         ids, computed = self.word_ids(text_tokens)
         lengths = list(map(len, ids))

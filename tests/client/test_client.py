@@ -270,12 +270,22 @@ def test_bad_arguments_raise_before_sending():
         client.extract("a", schemas.create_schema())
     with pytest.raises(ValueError, match="format_results=False"):
         client.extract("a", ENTITIES, 0.5, False)  # GLiNER2's positional format_results: only True is served
-    with pytest.raises(ValueError, match="max_len"):
-        client.batch_extract(["a"], ENTITIES, 8, 0.5, 0, True, False, False, 100)
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        client.batch_extract(["a"], ENTITIES, 8, 0.5, 0, True, False, False, 0)
     with pytest.raises(ValueError, match="batch_size"):
         client.batch_extract(["a"], ENTITIES, 0)
     assert transport.sent == []
     assert client.extract("a", ENTITIES, 0.5, True, True)["include_confidence"] is True, "positional, as GLiNER2"
+
+
+def test_max_len_is_sent_as_gliner2_takes_it():
+    """GLiNER2's positional max_len (word tokens of the text read) goes out as MAX_LEN."""
+    transport = FakeTransport()
+    client = make_client(transport)
+    client.batch_extract(["a"], ENTITIES, 8, 0.5, 0, True, False, False, 100)
+    client.extract("a", ENTITIES, 0.5, True, False, False, 7)
+    client.extract("a", ENTITIES)
+    assert [request.max_len for _, request in transport.sent] == [100, 7, 0]
 
 
 def test_context_manager_closes_the_transport():

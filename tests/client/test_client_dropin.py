@@ -49,9 +49,8 @@ class GLiNER2Transport:
 
     def __init__(self, model=None, answer=None, fail=None, max_len=None):
         self.model, self.answer, self.fail = model, answer, fail or {}
-        # GLiNER2's *_long extract each chunk with max_len=chunk_size, a path whose scores
-        # differ slightly from plain extract's even when no word is cut; the protocol has no
-        # max_len, so the long parity checks chunking and merging with GLiNER2's own chunk calls
+        # GLiNER2's *_long extract each chunk with max_len=chunk_size: the client sends it (MAX_LEN)
+        # and the answer uses the request's own; ``max_len`` is the chunk size a test expects
         self.max_len = max_len
         self.sent = []
 
@@ -69,7 +68,7 @@ class GLiNER2Transport:
             True,
             request.include_confidence,
             request.include_spans,
-            max_len=self.max_len,
+            max_len=request.max_len or None,
         )
         return Response(json.loads(json.dumps(result)))
 
@@ -469,6 +468,7 @@ def test_long_methods_send_one_request_per_chunk_and_merge_as_gliner2(gliner2):
     chunks = client_lib.split_text_into_chunks(text, 20, 5)
     assert [r.text for r in transport.sent] == [c.text for c in chunks]
     assert all(r.include_confidence and r.include_spans and r.adapter == "acme" for r in transport.sent)
+    assert all(r.max_len == 20 for r in transport.sent), "max_len=chunk_size, as GLiNER2 passes it"
     for method, argument in [
         ("extract_relations_long", ["works_for"]),
         ("extract_json_long", {"p": ["name::str", "tags"]}),

@@ -27,6 +27,7 @@ def test_contract_matches_the_design():
         ("THRESHOLD", "TYPE_FP32", "FP32", np.float32, (1,), True),
         ("INCLUDE_CONFIDENCE", "TYPE_BOOL", "BOOL", np.bool_, (1,), True),
         ("INCLUDE_SPANS", "TYPE_BOOL", "BOOL", np.bool_, (1,), True),
+        ("MAX_LEN", "TYPE_INT32", "INT32", np.int32, (1,), True),
     ]
     assert [(s.name, s.config_dtype, s.triton_dtype) for s in protocol.OUTPUTS] == [("RESULT", "TYPE_STRING", "BYTES")]
     assert {s.name: s.default for s in protocol.INPUTS if s.optional} == {
@@ -34,6 +35,7 @@ def test_contract_matches_the_design():
         "THRESHOLD": 0.5,
         "INCLUDE_CONFIDENCE": False,
         "INCLUDE_SPANS": False,
+        "MAX_LEN": 0,
     }
     assert set(protocol.SPECS) == {s.name for s in protocol.INPUTS + protocol.OUTPUTS}
 
@@ -213,6 +215,7 @@ def _expected_wire(request: Request) -> dict:
         "THRESHOLD": struct.pack("<f", request.threshold),
         "INCLUDE_CONFIDENCE": bytes([request.include_confidence]),
         "INCLUDE_SPANS": bytes([request.include_spans]),
+        "MAX_LEN": struct.pack("<i", request.max_len),
     }
 
 
@@ -281,3 +284,19 @@ def test_transports_send_the_routing_header():
     http._outputs = []
     assert http._infer(FakeTriton(), "gliner2", Request("t", "{}")) == "ok"
     assert calls == [{"x-adapter-id": "a1"}, {}]
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, 1.5, True, "3"])
+def test_max_len_is_an_int32_count(bad):
+    with pytest.raises(ValueError, match="max_len must be"):
+        Request("t", SCHEMA, max_len=bad)
+
+
+def test_max_len_round_trips_and_is_int32_on_the_wire():
+    request = Request("t", SCHEMA, max_len=384)
+    arrays = request.to_arrays()
+    assert arrays["MAX_LEN"].dtype == np.int32 and arrays["MAX_LEN"].shape == (1, 1)
+    assert Request.from_arrays(arrays) == request
+    assert Request.from_arrays({**arrays, "MAX_LEN": None}).max_len == 0, "absent: every word"
+    with pytest.raises(ValueError, match="MAX_LEN must be INT32"):
+        Request.from_arrays({**arrays, "MAX_LEN": np.full((1, 1), 3.0, np.float32)})

@@ -87,6 +87,7 @@ def test_no_settings_keep_the_committed_configs_with_absolute_paths():
         "THRESHOLD",
         "INCLUDE_CONFIDENCE",
         "INCLUDE_SPANS",
+        "MAX_LEN",
     ]
 
 

@@ -441,7 +441,7 @@ def test_missing_unknown_and_mistyped_tensors(catalogue):
     cases = [
         Case("missing-text", arrays_of(good, TEXT=None), "INVALID_ARG", "^input TEXT is required$"),
         Case("missing-schema", arrays_of(good, SCHEMA=None), "INVALID_ARG", "^input SCHEMA is required$"),
-        Case("unknown-input", {**good.to_arrays(), "PROMPT": bytes_item(b"x")}, triton, "expected number of inputs between 2 and 6 but got 7", reaches_model=False),
+        Case("unknown-input", {**good.to_arrays(), "PROMPT": bytes_item(b"x")}, triton, "expected number of inputs between 2 and 7 but got 8", reaches_model=False),
         Case("unknown-input-instead-of-optional", swapped, triton, "unexpected inference input 'PROMPT'", reaches_model=False),
         Case("two-texts-per-item", arrays_of(good, TEXT=np.array([[b"a", b"b"]], dtype=np.object_)), triton, "unexpected shape for input 'TEXT'", reaches_model=False),
         Case("threshold-fp64", arrays_of(good, THRESHOLD=np.full((1, 1), 0.5)), triton, "input 'THRESHOLD' data-type is 'FP64', but model 'gliner2' expects 'FP32'", reaches_model=False),

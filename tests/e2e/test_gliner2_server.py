@@ -207,6 +207,25 @@ def test_client_api_mirrors_gliner2(server, reference_model):
         assert not result_differences(got, json.loads(json.dumps(expected)))
 
 
+def test_long_methods_and_max_len_equal_gliner2(server, reference_model):
+    """The *_long methods through the server: windows cut client-side, each sent with
+    MAX_LEN = chunk_size as GLiNER2 passes max_len, merged as GLiNER2 merges: GLiNER2's answer,
+    scores included. And extract(max_len=) itself."""
+    from manylora.client import ManyLoRAClient
+
+    text = " ".join(demo_texts(6, seed=23))
+    labels = ["person", "company", "location"]
+    args = (0.3, 24, 6)  # threshold, chunk_size, chunk_overlap: several windows, cut words in each
+    with ManyLoRAClient(server.grpc_url) as client:
+        got = client.extract_entities_long(text, labels, *args, include_confidence=True, include_spans=True)
+        cut = client.extract_entities(text, labels, 0.3, True, True, True, 12)
+    expected = reference_model.extract_entities_long(text, labels, *args, include_confidence=True, include_spans=True)
+    assert not result_differences(got, json.loads(json.dumps(expected)), atol=1e-5)
+    assert any(got["entities"].values()), "spans found: not vacuous"
+    expected_cut = reference_model.extract_entities(text, labels, 0.3, True, True, True, 12)
+    assert not result_differences(cut, json.loads(json.dumps(expected_cut)), atol=1e-5)
+
+
 def test_server_benchmark_runs_perf_analyzer_against_the_server(server, demo_adapters, tmp_path):
     """perf/bench_server.py drives perf_analyzer (from the tritonclient wheel) at the real server."""
     import subprocess

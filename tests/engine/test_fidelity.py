@@ -97,6 +97,25 @@ def test_threshold_and_spans_options(tiny_engine, reference_model, threshold, in
     _assert_same(got, expected, cases)
 
 
+@pytest.mark.parametrize("max_len", [3, 8])
+def test_max_len_cuts_the_text_as_gliner2(tiny_engine, reference_model, max_len):
+    """GLiNER2's max_len (MAX_LEN): at most that many word tokens of each text are read, the
+    text stays whole for offsets; spans are only found in what was read. Rows with and without
+    it share one call."""
+    cases = _cases()[:16]
+    expected = _reference(reference_model, cases, include_confidence=True, include_spans=True, max_len=max_len)
+    full = _reference(reference_model, cases, include_confidence=True, include_spans=True)
+    requests = [
+        Request(t, json.dumps(s), include_confidence=True, include_spans=True, max_len=max_len) for t, s in cases
+    ]
+    got = tiny_engine.run(
+        requests + [Request(t, json.dumps(s), include_confidence=True, include_spans=True) for t, s in cases]
+    )
+    _assert_same(got[: len(cases)], expected, cases)
+    _assert_same(got[len(cases) :], full, cases)
+    assert expected != full, "max_len cut something: not vacuous"
+
+
 def test_requests_with_different_options_in_one_call(tiny_engine, reference_model):
     cases = _cases()[:6]
     requests = [
