@@ -99,6 +99,7 @@ def make_input_data(
             "THRESHOLD": {"content": [0.5], "shape": [1]},
             "INCLUDE_CONFIDENCE": {"content": [False], "shape": [1]},
             "INCLUDE_SPANS": {"content": [False], "shape": [1]},
+            "MAX_LEN": {"content": [0], "shape": [1]},  # every input, as the client sends them: one batch
         }
         for text, adapter in zip(texts, chosen)
     ]

@@ -14,6 +14,7 @@ PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))
 
 import bench_server  # noqa: E402
+from manylora.client import protocol  # noqa: E402
 
 
 def test_engine_benchmark_smoke_writes_every_mode(tmp_path):
@@ -115,7 +116,7 @@ def test_perf_analyzer_input_data(tmp_path):
     data = json.loads(path.read_text())["data"]
     assert len(data) == 64
     for entry in data:
-        assert set(entry) == {"TEXT", "SCHEMA", "ADAPTER_ID", "THRESHOLD", "INCLUDE_CONFIDENCE", "INCLUDE_SPANS"}
+        assert set(entry) == {spec.name for spec in protocol.INPUTS}, "every input, as the client sends them"
         assert all(value["shape"] == [1] and len(value["content"]) == 1 for value in entry.values())
         assert entry["ADAPTER_ID"]["content"][0] in names
         json.loads(entry["SCHEMA"]["content"][0])
