@@ -259,7 +259,6 @@ class AdapterStore:
             except CancelledError:  # evicted while queued: load it again
                 continue
             except FutureTimeout:
-                self.events["timeout", "host"] += 1
                 raise AdapterError(
                     "UNAVAILABLE",
                     f"adapter {adapter_id!r} did not load within {self.load_timeout:g} s (adapter_load_timeout); "

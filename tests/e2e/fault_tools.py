@@ -24,6 +24,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 REPO_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "gliner2"
 REPO_CORE_MODEL = REPO_MODEL.parent / "gliner2_core"
+REPO_CONTROL_MODEL = REPO_MODEL.parent / "manylora_control"
 
 # What tritonclient's InferenceServerException.status() reports for each pb_utils.TritonError
 # code a model answers with (measured on Triton 2.51; test_bad_input_catalogue checks all of it).
@@ -213,3 +214,13 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return predicate()
+
+
+def write_control(folder: Path, allowed_commands: str | None = None) -> None:
+    """The committed control model under the folder's name, with allowed_commands when given."""
+    shutil.copytree(REPO_CONTROL_MODEL, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    config.name = folder.name
+    if allowed_commands is not None:
+        config.parameters["allowed_commands"].string_value = allowed_commands
+    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from fault_tools import write_control  # noqa: E402
 from google.protobuf import text_format
 from manylora.client import cli, protocol
 from tritonclient.grpc import model_config_pb2
@@ -84,16 +85,6 @@ def _partial_adapter(adapters: Path, demo_adapters: dict) -> str:
     config["target_modules"] = sorted(set(config["target_modules"]) - {left_out})
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return left_out
-
-
-def write_control(folder: Path, allowed_commands: str | None = None) -> None:
-    """The committed control model under the folder's name, with allowed_commands when given."""
-    shutil.copytree(CONTROL_MODEL, folder, ignore=shutil.ignore_patterns("__pycache__"))
-    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    config.name = folder.name
-    if allowed_commands is not None:
-        config.parameters["allowed_commands"].string_value = allowed_commands
-    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
 
 
 @pytest.fixture(scope="module")

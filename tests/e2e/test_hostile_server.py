@@ -44,9 +44,9 @@ from fault_tools import (
     stub_pids,
     stub_shm_region,
     wait_until,
+    write_control,
     write_gliner2_model,
 )
-from google.protobuf import text_format
 from manylora.client import protocol
 from manylora.client.protocol import Request
 from safetensors.torch import load_file, save_file
@@ -278,15 +278,6 @@ class Hostile:
         self.expected = expected  # adapter id -> regex of its refusal (None: served)
 
 
-def _write_control(folder: Path, allowed_commands: str | None = None) -> None:
-    shutil.copytree(REPOSITORY / "manylora_control", folder, ignore=shutil.ignore_patterns("__pycache__"))
-    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    config.name = folder.name
-    if allowed_commands is not None:
-        config.parameters["allowed_commands"].string_value = allowed_commands
-    (folder / "config.pbtxt").write_text(text_format.MessageToString(config))
-
-
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapters, reference_model, peft_reference):
     base = tmp_path_factory.mktemp("hostile")
@@ -314,9 +305,9 @@ def hostile(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapt
     repo = base / "repo"
     parameters = {"adapter_dir": str(root), "max_gpu_adapters": "8", "max_cpu_adapters": "16"}
     write_gliner2_model(repo, "gliner2", tiny_checkpoint, parameters, edit=front)
-    _write_control(repo / "manylora_control")  # in the repository, not loaded: the channel left out
-    _write_control(repo / RW)
-    _write_control(repo / RO, allowed_commands="list,stats")
+    write_control(repo / "manylora_control")  # in the repository, not loaded: the channel left out
+    write_control(repo / RW)
+    write_control(repo / RO, allowed_commands="list,stats")
     loads = [*pipeline_loads("gliner2"), f"--load-model={RW}", f"--load-model={RO}"]
     server = triton_server_factory(repo, extra_args=["--model-control-mode=explicit", *loads])
     folders = {name: demo_adapters[name] for name in GOOD_ADAPTERS}

@@ -133,7 +133,7 @@ def test_small_shapes_are_captured_at_load_for_base_and_preloaded_adapters(tiny_
     engine = _engine(tiny_checkpoint, root, "cuda:0", preload_adapters="enc-r8", cuda_graph_warmup_rows=4)
     buckets = [b for b in ROW_BUCKETS if b <= 4]
     assert engine.graphs.stats["captures"] == 2 * len(buckets) * len(LENGTH_BUCKETS)
-    assert engine.memory["cuda_graphs"] >= 0
+    assert "cuda_graphs" in engine.memory, "the graphs' pool is in the memory statement"
     captures = engine.graphs.stats["captures"]
     answers = engine.run(_requests(["enc-r8", ""], 3, seed=8))
     assert all(isinstance(a, dict) for a in answers)
