@@ -18,7 +18,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 for rows in ${ROWS:-1 1024}; do
     for adapters in 0 1024; do
-        for graphs in on off; do
+        for graphs in ${GRAPHS:-on off}; do
             name="rows$rows-adapters$adapters-graphs-$graphs"
             extra=()
             [ "$adapters" = 0 ] || extra=(--adapters "$M/bench-adapters" --adapters-in-flight "$adapters")
