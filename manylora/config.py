@@ -142,6 +142,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
     cuda_graph_warmup_rows: int = 16  # GPU stage: graphs captured at load for batches of up to this many rows
+    cuda_graph_max_tokens: int = 16384  # GPU stage: graphs only for forwards of up to this many padded tokens
+    chunk_pipeline: bool = True  # GPU stage: chunk k's host work while chunk k+1's forward runs (Engine._core_begin)
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     device: str = "cpu"
 
@@ -201,6 +203,18 @@ class EngineConfig:
             False,
             "GPU stage: CUDA graphs captured at load for every batch of up to this many rows (default 16), for "
             "base rows and each preloaded adapters' module set; larger shapes are captured on first use; 0 = none",
+        ),
+        "cuda_graph_max_tokens": (
+            _positive_int,
+            False,
+            "GPU stage: CUDA graphs only for encoder forwards of up to this many padded tokens (default 16384, "
+            "at most max_batch_tokens); larger forwards launch every kernel",
+        ),
+        "chunk_pipeline": (
+            _on_off,
+            False,
+            "GPU stage: 'on' (default) finishes each chunk on the host while the next chunk's forward runs on "
+            "the GPU; 'off' runs each chunk's steps in turn (for A/B runs)",
         ),
         "adapter_load_timeout": (
             _seconds,

@@ -24,7 +24,7 @@ import gc
 import logging
 import time
 from collections import deque
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -38,7 +38,7 @@ from manylora.lora.adapter import AdapterError
 from manylora.lora.batch import LoraBatch
 from manylora.lora.heads import HeadLoras
 from manylora.lora.store import AdapterStore, plan_waves
-from manylora.post import CompactRow, PostDecoder, compact_batch, compact_dense, needs_raw_logits, skipped_tasks
+from manylora.post import CompactRow, PostDecoder, compact_batch, compact_dense_begin, needs_raw_logits, skipped_tasks
 from manylora.pre import CHARS_PER_TOKEN_BOUND, Prepared, Preprocessor
 
 __all__ = [
@@ -170,11 +170,14 @@ class Engine:
             loaded = self.store.preload(None if names is None else [n.strip() for n in names])
             logger.info("preloaded %d adapters in %.1f s", len(loaded), time.perf_counter() - started)
         self.meta_builder = SgmvMetaBuilder(config.max_batch_tokens, self.device)
+        # step C of the chunk pipeline (_core_begin) runs here on CUDA
+        self._compact_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs = None  # CUDA graphs of the encoder forward (manylora.graphs), on CUDA with cuda_graphs on
         if self.device.type == "cuda" and config.cuda_graphs and config.backend == "triton":
-            from manylora.graphs import MAX_GRAPH_TOKENS, EncoderGraphs
+            from manylora.graphs import EncoderGraphs
 
-            self.graphs = EncoderGraphs(self.encoder, self.store, min(config.max_batch_tokens, MAX_GRAPH_TOKENS))
+            max_tokens = min(config.max_batch_tokens, config.cuda_graph_max_tokens)
+            self.graphs = EncoderGraphs(self.encoder, self.store, max_tokens)
         # True: the heads run GLiNER2's per-row list layout (compact_batch) for every chunk, as
         # they do anyway for attribute groups; False: the dense batch layout (tests compare them)
         self.list_heads = False
@@ -401,6 +404,11 @@ class Engine:
     def compact(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]) -> list[CompactRow]:
         """GLiNER2's heads on the whole chunk, each row with its own head LoRA, reduced to what
         decoding reads (``post.compact_batch``): one CompactRow per row of ``chunk``."""
+        return self.compact_begin(chunk, batch, states, slot_per_row)()
+
+    def compact_begin(self, chunk: Sequence[Prepared], batch, states, slot_per_row: Sequence[int]):
+        """``compact`` up to its last wait for the GPU: returns ``finish() -> rows`` (for the dense
+        layout, the hits' ``nonzero``, the copy to the host and the rows; see ``_core_begin``)."""
         head_names = self.head_names
         row_slots = [
             slot if p.adapter is not None and not head_names.isdisjoint(p.adapter.modules) else -1
@@ -415,13 +423,14 @@ class Engine:
                 logits, plan = self.heads.span_logits_dense(batch, hidden)
                 cls_probs = self.heads.classification_probabilities(batch, schema_embs)
             skipped = skipped_tasks(batch.task_types, schema_embs)
-            return compact_dense(logits, plan, cls_probs, t_min, skipped, [len(t) for t in batch.task_types])
+            return compact_dense_begin(logits, plan, cls_probs, t_min, skipped, [len(t) for t in batch.task_types])
         token_embs, schema_embs = self.processor.extract_embeddings_from_batch(hidden, batch.input_ids, batch)
         with self.heads.batch(batch, row_slots):
             raw_logits, pred_counts = self.heads.span_logits(batch, token_embs, schema_embs)
             cls_probs = self.heads.classification_probabilities(batch, schema_embs)
         skipped = skipped_tasks(batch.task_types, schema_embs)
-        return compact_batch(raw_logits, pred_counts, cls_probs, t_min, logit_tasks, skipped)
+        rows = compact_batch(raw_logits, pred_counts, cls_probs, t_min, logit_tasks, skipped)
+        return lambda: rows
 
     @staticmethod
     def _schema_embeddings(batch, hidden) -> list[list[list]]:
@@ -480,10 +489,17 @@ class Engine:
         assert all(r is not None for r in results), "every request is answered"
         return results  # type: ignore[return-value]
 
-    @torch.inference_mode()
     def run_core(self, items: Sequence[tuple]) -> list[CoreResult]:
         """The GPU stage alone: ``items`` are (input_ids, word_positions, schema_json,
         adapter_id, t_min) as the front sends them; one CompactRow or RequestError each."""
+        return self.core_begin(items)()
+
+    @torch.inference_mode()
+    def core_begin(self, items: Sequence[tuple], between: Optional[Callable[[], None]] = None):
+        """``run_core`` but for its last chunk's host work: returns ``finish() -> results``.
+        ``between`` (the previous call's ``finish``, say) runs once this call's first forward
+        is queued, so the GPU has that forward to run while the host finishes the previous
+        call (``_core_begin``). Nothing here raises for a bad item; ``finish`` never raises."""
         self.store.prefetch(item[3] for item in items)
         results: list[Optional[CoreResult]] = [None] * len(items)
         prepared: list[Prepared] = []
@@ -499,28 +515,104 @@ class Engine:
             except Exception as exc:
                 logger.exception("core item %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
-        for p, row in zip(prepared, self._core(prepared)):
-            results[p.index] = row
-        return results  # type: ignore[return-value]
+        finish_core = self._core_begin(prepared, between)
+
+        def finish() -> list[CoreResult]:
+            for p, row in zip(prepared, finish_core()):
+                results[p.index] = row
+            return results  # type: ignore[return-value]
+
+        return finish
 
     def _core(self, prepared: list[Prepared]) -> list[CoreResult]:
         """CompactRow (or RequestError) per prepared row, in the order given. Every row of one
         call can share a forward, whatever its decoding options: thresholds are per row."""
+        return self._core_begin(prepared)()
+
+    def _core_begin(self, prepared: list[Prepared], between: Optional[Callable[[], None]] = None):
+        """The chunks of ``prepared`` as a pipeline of three steps per chunk: (A) pad, copy and
+        queue the encoder forward; (B) the heads, up to the mask of hits (B waits for the
+        count head); (C) the hits' ``nonzero``, the copy to the host and the rows. Steps run in
+        the order A0 B0 A1 C0 B1 A2 C1 ...: chunk k's host work (C) runs while the GPU runs
+        chunk k+1's forward, and on CUDA C runs on a side stream that waits only for chunk k
+        (the default stream already holds the next forward). Returns ``finish`` (the last C).
+
+        Measured (H200, perf/profile_core.py at f2e9a36, 1,024 rows): in turn, the GPU was busy
+        62% of ``run_core`` with 1,024 adapters, 70% without; its idle time was this host work.
+
+        A chunk whose step raises is answered by ``_recover`` (in halves on out of memory, else
+        row by row, each without the pipeline), as before the pipeline."""
         out: dict[int, CoreResult] = {}
+        pending = None  # (chunk, finish, event) of the chunk whose step C is due
         if prepared:
             chunks = self._chunks(prepared)
             adapters = {p.request.adapter for p in prepared if p.request.adapter}
             self.batch_stats.append((len(adapters), len(plan_waves(adapters, self.config.max_gpu_adapters))))
+            if not self.config.chunk_pipeline:
+                for chunk in chunks:
+                    self._run_chunk(chunk, out)
+                chunks = []
             for chunk in chunks:
-                self._run_chunk(chunk, out)
-        return [out[id(p)] for p in prepared]
+                launched = self._step(self.forward, chunk, out)  # A
+                if pending is not None:
+                    self._finish_chunk(pending, out)  # C of the chunk before
+                elif between is not None:
+                    between()
+                    between = None
+                pending = None
+                if launched is not None:
+                    pending = self._step(lambda c, launched=launched: self._heads_chunk(c, launched), chunk, out)  # B
+
+        def finish() -> list[CoreResult]:
+            with torch.inference_mode():
+                if between is not None:
+                    between()
+                if pending is not None:
+                    self._finish_chunk(pending, out)
+            return [out[id(p)] for p in prepared]
+
+        return finish
+
+    def _step(self, step, chunk: list[Prepared], out: dict):
+        """``step(chunk)``; should it raise, the chunk is answered by ``_recover`` and None is returned."""
+        try:
+            return step(chunk)
+        except Exception as exc:
+            self._recover(chunk, out, exc)
+            return None
+
+    def _heads_chunk(self, chunk: list[Prepared], launched) -> tuple:
+        finish = self.compact_begin(chunk, *launched)
+        event = torch.cuda.current_stream(self.device).record_event() if self._compact_stream is not None else None
+        return chunk, finish, event
+
+    def _finish_chunk(self, pending: tuple, out: dict) -> None:
+        chunk, finish, event = pending
+        try:
+            if self._compact_stream is None:
+                rows = finish()
+            else:  # waits for this chunk's heads only, not for the forward queued since
+                self._compact_stream.wait_event(event)
+                with torch.cuda.stream(self._compact_stream):
+                    rows = finish()
+            for p, row in zip(chunk, rows):
+                out[id(p)] = row
+        except Exception as exc:
+            self._recover(chunk, out, exc)
 
     def _run_chunk(self, chunk: list[Prepared], out: dict) -> None:
+        """One chunk, every step in turn (no pipeline): the path of a chunk that failed in it."""
         try:
             batch, states, slot_per_row = self.forward(chunk)
             for p, row in zip(chunk, self.compact(chunk, batch, states, slot_per_row)):
                 out[id(p)] = row
-        except torch.cuda.OutOfMemoryError:
+        except Exception as exc:
+            self._recover(chunk, out, exc)
+
+    def _recover(self, chunk: list[Prepared], out: dict, exc: Exception) -> None:
+        """Answer ``chunk`` after ``exc``: out of memory, in halves; otherwise row by row, so
+        that only a failing row fails (INTERNAL)."""
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
             if len(chunk) == 1:
                 out[id(chunk[0])] = RequestError(
                     UNAVAILABLE, "out of GPU memory for this single request; retry later or send a shorter text"
@@ -531,12 +623,11 @@ class Engine:
             logger.warning("out of GPU memory on a batch of %d; splitting it", len(chunk))
             self._run_chunk(chunk[:half], out)
             self._run_chunk(chunk[half:], out)
-        except Exception as exc:
-            if len(chunk) > 1:
-                # isolate the failing request: the others are still answered
-                logger.warning("batch of %d failed (%s); retrying one by one", len(chunk), exc)
-                for p in chunk:
-                    self._run_chunk([p], out)
-                return
-            logger.exception("request %d failed", chunk[0].index)
+        elif len(chunk) > 1:
+            # isolate the failing request: the others are still answered
+            logger.warning("batch of %d failed (%s); retrying one by one", len(chunk), exc)
+            for p in chunk:
+                self._run_chunk([p], out)
+        else:
+            logger.error("request %d failed", chunk[0].index, exc_info=exc)
             out[id(chunk[0])] = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")

@@ -155,7 +155,7 @@ class EncoderGraphs:
     """Lazily captured CUDA graphs of ``encoder``'s forward; ``run`` replays (or captures) one."""
 
     def __init__(
-        self, encoder, store, max_tokens: int = MAX_GRAPH_TOKENS, max_length: int = 512, max_graphs: int = 512
+        self, encoder, store, max_tokens: int = MAX_GRAPH_TOKENS, max_length: int = 512, max_graphs: int = 2048
     ):
         self.encoder = encoder
         self.store = store

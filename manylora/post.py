@@ -39,7 +39,7 @@ import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -410,6 +410,22 @@ def compact_dense(
     one sigmoid, one mask (each row against its own threshold, only where the row has queries
     and words), one ``nonzero``, one ``.cpu()``. For rows whose tasks need no raw logits
     (attribute groups take :func:`compact_batch`)."""
+    return compact_dense_begin(logits, plan, cls_probs, t_min_per_row, skipped, num_tasks)()
+
+
+def compact_dense_begin(
+    logits: Optional[torch.Tensor],
+    plan: dict,
+    cls_probs: Sequence[Sequence[Optional[torch.Tensor]]],
+    t_min_per_row: Sequence[float],
+    skipped: Sequence[Sequence[bool]],
+    num_tasks: Sequence[int],
+) -> Callable[[], list[CompactRow]]:
+    """:func:`compact_dense` in two parts: this call queues the GPU work that needs no answer
+    from the GPU (sigmoid, each row's mask) and returns ``finish``, which waits for it (the
+    ``nonzero`` and the one device-to-host copy) and builds the rows on the host. The engine
+    queues the next chunk's forward in between and runs ``finish`` on a side stream, so the
+    GPU has work while the host splits this chunk's answer (``Engine._core_begin``)."""
     n_rows = len(t_min_per_row)
     pred_counts = plan["pred_counts"]
     counts = [np.zeros(num_tasks[r], dtype=np.int32) for r in range(n_rows)]
@@ -427,7 +443,6 @@ def compact_dense(
                 cls_sizes[r][t] = probs.numel()
                 cls_parts.append(probs.reshape(-1).to(torch.float64))
                 dtype = probs.dtype if dtype is None else dtype
-    pack, n_hits = [], 0
     active = plan["rows"]
     if logits is not None:
         device = logits.device
@@ -450,6 +465,20 @@ def compact_dense(
             & (q_axis < queries.view(-1, 1, 1, 1))
             & (l_axis < lengths.view(-1, 1, 1, 1))
         )
+    else:
+        scores = mask = None
+
+    def finish() -> list[CompactRow]:
+        return _compact_dense_rows(scores, mask, cls_parts, active, counts, cls_sizes, grids, dtype)
+
+    return finish
+
+
+def _compact_dense_rows(scores, mask, cls_parts, active, counts, cls_sizes, grids, dtype) -> list[CompactRow]:
+    """The host part of :func:`compact_dense_begin`: hits, one copy, the rows."""
+    n_rows = len(counts)
+    pack, n_hits = [], 0
+    if mask is not None:
         index = mask.nonzero()  # [N, 4] (active row, query, start, width), row-major
         n_hits = index.shape[0]
         pack += [index.to(torch.float64).reshape(-1), scores[mask].to(torch.float64)]

@@ -493,13 +493,28 @@ class CoreModelHandler(TritonModelHandler):
                 logger.exception("sending a GPU-stage response failed")
 
     def _gpu_loop(self) -> None:
-        """GPU thread: run queued jobs, merging those that wait, until finalize queues None."""
+        """GPU thread: run queued jobs, merging those that wait, until finalize queues None.
+
+        A merged call's last chunk is finished (its host work, then its answers queued) once
+        the next call's first forward is queued, or at once when no job waits
+        (``Engine.core_begin``): under load the GPU runs the next forward meanwhile."""
         import queue
 
         budget = self.MERGE_BUDGETS * self.engine.config.max_batch_tokens
+        pending = None  # the last call's delivery, due
         while True:
-            first = self._jobs.get()
+            if pending is None:
+                first = self._jobs.get()
+            else:
+                try:
+                    first = self._jobs.get_nowait()
+                except queue.Empty:
+                    pending()
+                    pending = None
+                    continue
             if first is None:
+                if pending is not None:
+                    pending()
                 self._answers.put(None)
                 return
             jobs, tokens = [first], _job_tokens(first[1])
@@ -513,19 +528,47 @@ class CoreModelHandler(TritonModelHandler):
                     break
                 jobs.append(nxt)
                 tokens += _job_tokens(nxt[1])
-            merged_items = [item for _, (_, items) in jobs for item in items]
+            with self.profiler:
+                pending = self._begin_jobs(jobs, pending)
+                if not self.engine.config.chunk_pipeline:  # the A/B's other arm: every call delivered at once
+                    pending()
+                    pending = None
+
+    def _begin_jobs(self, jobs: list, before: Optional[Callable[[], None]]) -> Callable[[], None]:
+        """Queue the merged call of ``jobs``; ``before`` (the last call's delivery) runs once its
+        first forward is queued. Returns this call's delivery: it finishes the call and queues
+        each job's answers for the answer thread. Neither raises: a failure answers its rows."""
+        merged_items = [item for _, (_, items) in jobs for item in items]
+        rows = [item for item in merged_items if not isinstance(item, RequestError)]
+        before = _once(before)
+        try:
+            finish = self.engine.core_begin(rows, before)
+        except Exception:  # core_begin answers per row; this is a bug: the slower path, which splits
+            logger.exception("the GPU thread failed to queue a merged batch")
+            before()
+
+            def finish(rows=rows):
+                return self._run_core(rows)
+
+        def deliver() -> None:
             try:
-                with self.profiler:
-                    answers = self._run_job(([], merged_items))
-            except Exception as exc:  # _run_job answers per row; this is a bug: fail these jobs, keep serving
+                done = iter(finish())
+                answers = [item if isinstance(item, RequestError) else next(done) for item in merged_items]
+            except Exception as exc:  # never leave a request unanswered
                 logger.exception("the GPU thread failed on a merged batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
                 answers = [error] * len(merged_items)
+            try:
+                self.metrics.publish(self.engine)
+            except Exception:
+                logger.exception("publishing the adapter metrics failed")
             offset = 0
             for senders, job in jobs:
                 n = len(job[1])
                 self._answers.put((senders, job, answers[offset : offset + n]))
                 offset += n
+
+        return _once(deliver)
 
     def _answer_loop(self) -> None:
         while True:
@@ -628,6 +671,19 @@ class CoreModelHandler(TritonModelHandler):
                 pb.Tensor("COMPACT", np.array([[packed]], dtype=np.object_)),
             ]
         )
+
+
+def _once(fn: Optional[Callable[[], None]]) -> Callable[[], None]:
+    """``fn`` callable any number of times, run at most once (None: nothing to run)."""
+    done = fn is None
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+
+    return call
 
 
 def _job_tokens(items: list) -> int:

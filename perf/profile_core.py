@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="gliner2_core's cuda_graphs")
+    p.add_argument("--graph-max-tokens", type=int, default=16384, help="gliner2_core's cuda_graph_max_tokens")
+    p.add_argument("--warmup-rows", type=int, default=16, help="gliner2_core's cuda_graph_warmup_rows")
     p.add_argument("--out", type=Path, default=Path("perf/results/profile-core"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +50,8 @@ def main(argv=None) -> int:
         "max_lora_rank": "16",
         "cpu_threads": "2",
         "cuda_graphs": args.cuda_graphs,
+        "cuda_graph_max_tokens": str(args.graph_max_tokens),
+        "cuda_graph_warmup_rows": str(args.warmup_rows),
     }
     names: list[str] = []
     if args.adapters and args.adapters_in_flight:
@@ -80,6 +85,21 @@ def main(argv=None) -> int:
         engine.run_core(items)
         sync()
         walls.append(time.perf_counter() - t0)
+    # chunk_pipeline on / off, interleaved on the same engine (the same run's A/B)
+    ab = {True: [], False: []}
+    for _ in range(args.repeats):
+        for on in (False, True):
+            engine.config = dataclasses.replace(engine.config, chunk_pipeline=on)
+            t0 = time.perf_counter()
+            engine.run_core(items)
+            sync()
+            ab[on].append(time.perf_counter() - t0)
+    engine.config = dataclasses.replace(engine.config, chunk_pipeline=True)
+    on_ms, off_ms = min(ab[True]) * 1e3, min(ab[False]) * 1e3
+    pipeline_line = (
+        f"chunk_pipeline A/B (best of {args.repeats}, interleaved): on {on_ms:.1f} ms ({args.rows / on_ms * 1e3:.0f} rows/s), "
+        f"off {off_ms:.1f} ms ({args.rows / off_ms * 1e3:.0f} rows/s), on/off throughput {off_ms / on_ms:.2f}x"
+    )
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)
@@ -99,6 +119,7 @@ def main(argv=None) -> int:
             f"GPU kernel time {kernel_ms:.1f} ms = {kernel_ms / args.rows:.3f} ms/row "
             f"({args.rows / kernel_ms * 1e3:.0f} rows/s if the GPU never waited); busy {kernel_ms / best / 10:.0f}% of the wall"
         )
+    lines.append(pipeline_line)
     for sort in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(40)

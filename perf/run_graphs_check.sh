@@ -23,8 +23,8 @@ for rows in ${ROWS:-1 1024}; do
             extra=()
             [ "$adapters" = 0 ] || extra=(--adapters "$M/bench-adapters" --adapters-in-flight "$adapters")
             python3 perf/profile_core.py --checkpoint "$M/demo-base" "${extra[@]}" --rows "$rows" \
-                --cuda-graphs "$graphs" --out "$OUT/$name" >"$OUT/$name.txt" 2>&1
-            echo "$name: $(grep -h -E '^device|^GPU kernel' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
+                --cuda-graphs "$graphs" ${PROFILE_ARGS:-} --out "$OUT/$name" >"$OUT/$name.txt" 2>&1
+            echo "$name: $(grep -h -E '^device|^GPU kernel|^chunk_pipeline' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
         done
     done
 done

@@ -364,6 +364,50 @@ def test_overlapped_gpu_stage_answers_every_request_once_through_its_sender(tiny
             assert got == want
 
 
+def test_gpu_thread_delivers_the_last_call_once_the_next_forward_is_queued(tiny_checkpoint, monkeypatch):
+    """The GPU thread's pipeline across calls: the last call is delivered (its answers queued)
+    after the next call's first forward is queued and before that call's heads, exactly once;
+    both calls' rows decode to the in-process engine's answers."""
+    import queue
+
+    from manylora import wire
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine, Request
+    from manylora.post import CompactRow
+
+    events = []
+
+    class Answers(queue.Queue):
+        def put(self, entry, *args, **kwargs):
+            events.append("deliver")
+            super().put(entry, *args, **kwargs)
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint)}))
+    core = _core_handler(engine)
+    core._answers = Answers()
+    schema = json.dumps({"entities": ["person", "company"]})
+    calls = []
+    for texts in (["Tim Cook runs Apple."], ["Ada Lovelace met Charles Babbage.", "Grace Hopper joined IBM."]):
+        prepared = [engine.pre.prepare(i, Request(t, schema)) for i, t in enumerate(texts)]
+        calls.append((texts, prepared, core._parse([SenderRequest(_core_request(prepared, schema))])))
+    real_forward, real_begin = engine.forward, engine.compact_begin
+    monkeypatch.setattr(engine, "forward", lambda chunk: events.append(f"A{len(chunk)}") or real_forward(chunk))
+    monkeypatch.setattr(engine, "compact_begin", lambda c, *a: events.append(f"B{len(c)}") or real_begin(c, *a))
+    first = core._begin_jobs([(["sender-1"], calls[0][2])], None)
+    assert core._answers.empty(), "not delivered before the next call (or an empty queue) asks"
+    second = core._begin_jobs([(["sender-2"], calls[1][2])], first)
+    assert events == ["A1", "B1", "A2", "deliver", "B2"], events
+    first()  # a second call runs nothing
+    second()
+    delivered = [core._answers.get_nowait() for _ in range(2)]
+    assert core._answers.empty() and [d[0] for d in delivered] == [["sender-1"], ["sender-2"]]
+    for (texts, prepared, _), (_, job, answers) in zip(calls, delivered):
+        response = core._responses(job, answers)[0]
+        packed = wire.unpack_rows(response.output_tensors[1].array.reshape(-1)[0])
+        for p, arrays, want in zip(prepared, packed, engine.run([Request(t, schema) for t in texts])):
+            assert engine.post.decode(CompactRow.from_arrays(arrays), p.record, p.metadata, 0.5) == want
+
+
 def test_gpu_stage_fails_an_over_limit_row_alone_and_answers_the_others(tiny_checkpoint):
     """gliner2_core (CoreModelHandler) gets a front's rows in one request. A row above its own
     max_request_tokens (a front configured with a larger limit) gets INVALID_ARG alone; the

@@ -138,3 +138,29 @@ def test_small_shapes_are_captured_at_load_for_base_and_preloaded_adapters(tiny_
     answers = engine.run(_requests(["enc-r8", ""], 3, seed=8))
     assert all(isinstance(a, dict) for a in answers)
     assert engine.graphs.stats["captures"] == captures and engine.graphs.stats["replays"] >= 1
+
+
+@needs_cuda
+def test_chunk_pipeline_on_cuda_equals_its_steps_in_turn_and_peft(tiny_checkpoint, demo_adapters, peft_reference):
+    """Many chunks (a small token budget) through the pipeline on CUDA, where each chunk's host
+    step runs on a side stream while the next forward runs: the answers equal the same engine's
+    with chunk_pipeline off (bit for bit) and GLiNER2 + PEFT's. Graphs on, so a chunk's states
+    come from the shared graph output that the next replay overwrites."""
+    import dataclasses
+
+    from gliner2.inference.schema import Schema
+
+    root = next(iter(demo_adapters.values())).parent
+    engine = _engine(tiny_checkpoint, root, "cuda:0", max_gpu_adapters=8, max_batch_tokens=512)
+    requests = _requests(["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""], 40, seed=12)
+    prepared = [engine.prepare(i, r) for i, r in enumerate(requests)]
+    assert len(engine._chunks(prepared)) >= 4
+    piped = engine.run(requests)
+    engine.config = dataclasses.replace(engine.config, chunk_pipeline=False)
+    in_turn = engine.run(requests)
+    assert piped == in_turn
+    assert engine.graphs.stats["replays"] > 0
+    for request, answer in zip(requests, piped):
+        model = peft_reference(demo_adapters[request.adapter] if request.adapter else None)
+        (expected,) = model.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
+        assert result_differences(answer, expected, atol=1e-4) == []

@@ -5,6 +5,7 @@ GLiNER2 itself is the reference; nothing here compares against our own earlier o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -206,4 +207,41 @@ def test_out_of_memory_splits_the_batch(tiny_engine, reference_model, monkeypatc
     monkeypatch.setattr(tiny_engine, "forward", forward)
     got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
     assert sizes[0] == 8 and max(sizes[1:]) <= 4 and 2 in sizes
+    _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
+
+
+def test_chunk_pipeline_order_and_a_failing_host_step(tiny_engine, reference_model, monkeypatch):
+    """Several chunks run as a pipeline: chunk k's host step C (its rows) comes after chunk
+    k+1's forward (A) and before its heads (B). A chunk whose C raises is answered again
+    without the pipeline; every answer still equals GLiNER2's."""
+    cases = _cases()[:40]
+    steps: list[str] = []
+    real_forward, real_begin = tiny_engine.forward, tiny_engine.compact_begin
+    failed: list[int] = []
+
+    def forward(chunk):
+        steps.append("A")
+        return real_forward(chunk)
+
+    def compact_begin(chunk, *launched):
+        steps.append("B")
+        finish = real_begin(chunk, *launched)
+        k = steps.count("B")
+
+        def failing_finish():
+            steps.append("C")
+            if k == 2 and not failed:  # the second chunk's host step fails once
+                failed.append(k)
+                raise RuntimeError("simulated")
+            return finish()
+
+        return failing_finish
+
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=1024))
+    monkeypatch.setattr(tiny_engine, "forward", forward)
+    monkeypatch.setattr(tiny_engine, "compact_begin", compact_begin)
+    got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+    assert failed == [2]
+    pipelined = "".join(steps).split("ABC")[0]  # up to the chunk the failure runs again alone
+    assert pipelined.startswith("ABACBAC"), steps
     _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
