@@ -67,19 +67,44 @@ def load_table(name: str) -> dict:
     return table
 
 
+# Shared memory one program may use: the H200's opt-in limit per block (Triton's
+# OutOfResources message on that GPU: "Hardware limit: 232448").
+SHARED_MEMORY_LIMIT = 232448
+
+
+def shared_memory_bytes(op: str, config: dict, block_r: int, element_size: int) -> int:
+    """Shared memory of a config's software pipeline, as Triton allocates it: num_stages - 1
+    buffered copies of the loop's two operand tiles. Checked on the H200 (session 10): shrink
+    with BLOCK_M 64, BLOCK_K 256, rank tile 16, 4 stages, float32 asks for 3 x 81,920 = 245,760."""
+    if op == "sgmv_shrink":
+        tile = config["BLOCK_M"] * config["BLOCK_K"] + config["BLOCK_K"] * block_r
+    else:
+        tile = config["BLOCK_M"] * block_r + block_r * config["BLOCK_N"]
+    return max(1, config["num_stages"] - 1) * tile * element_size
+
+
 @functools.lru_cache(maxsize=4096)
-def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int) -> tuple:
+def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int) -> tuple:
     entries = load_table(table_name)[op]
     for h, r in ((hidden, block_r), (hidden, "*"), ("*", block_r), ("*", "*")):
         config = entries.get(f"t{bucket}_h{h}_r{r}")
         if config is not None:
+            config = dict(config)
+            # the tables are tuned for 2-byte dtypes; wider elements get fewer stages until they fit
+            while (
+                config["num_stages"] > 1
+                and shared_memory_bytes(op, config, block_r, element_size) > SHARED_MEMORY_LIMIT
+            ):
+                config["num_stages"] -= 1
             return tuple(sorted(config.items()))
     raise AssertionError(f"unreachable: {table_name} has no t{bucket}_h*_r* for {op}")
 
 
-def get_config(op: str, device: torch.device, num_tokens: int, hidden: int, block_r: int) -> dict:
+def get_config(
+    op: str, device: torch.device, num_tokens: int, hidden: int, block_r: int, element_size: int = 2
+) -> dict:
     """The launch config for one call (cached per bucket; the dict is a fresh copy)."""
-    return dict(_lookup(device_table_name(device), op, token_bucket(num_tokens), hidden, block_r))
+    return dict(_lookup(device_table_name(device), op, token_bucket(num_tokens), hidden, block_r, element_size))
 
 
 def all_configs(op: str) -> list[dict]:

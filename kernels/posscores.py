@@ -140,11 +140,6 @@ def position_scores(
     against 408-414 us for one 64 x 64 tile per program, at 256 rows of 224 tokens."""
     window, hidden = table.shape
     head = hidden // heads
-    if x.element_size() > 2 and x.is_cuda:
-        # float32 tiles of 128 rows need 245,760 bytes of shared memory with the default
-        # pipelining, above the H200's 232,448 (OutOfResources on ~300+ token rows, H200
-        # session 10): half the rows per tile fit
-        block_l = min(block_l, 64)
     assert position_scores_supported(head) and head * heads == hidden, f"head size {head}: a power of two >= 16"
     assert x.shape == (batch * length, hidden) and x.stride(1) == 1 and table.stride(1) == 1
     has_lora = lora_b is not None

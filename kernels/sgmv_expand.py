@@ -162,7 +162,7 @@ def sgmv_expand(
     assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
 
     if config is None:
-        config = get_config("sgmv_expand", y.device, num_tokens, h_out, block_r)
+        config = get_config("sgmv_expand", y.device, num_tokens, h_out, block_r, y.element_size())
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound, -(-h_out // config["BLOCK_N"]))
     _sgmv_expand_kernel[grid](

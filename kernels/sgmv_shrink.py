@@ -129,7 +129,7 @@ def sgmv_shrink(
     assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
 
     if config is None:
-        config = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r)
+        config = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size())
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound,)
     _sgmv_shrink_kernel[grid](

@@ -27,6 +27,8 @@ Designs (--design, several run one after the other, each with its own server):
             run and answered in turn (the A/B of the overlap, in the same run)
   pipeline-eager  the same with gliner2_core's cuda_graphs off: every encoder kernel launched
             from Python (the A/B of the CUDA graphs, in the same run)
+  pipeline-unpiped  the same with gliner2_core's chunk_pipeline off: each chunk's forward, heads
+            and host step in turn (the A/B of the chunk pipeline, in the same run)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -65,8 +67,13 @@ from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributi
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 FRONT, CORE = "gliner2", "gliner2_core"
-DESIGNS = ("pipeline", "pipeline-serial", "pipeline-eager", "single")  # core_overlap / cuda_graphs off
-CORE_OVERRIDES = {"pipeline-serial": {"core_overlap": "off"}, "pipeline-eager": {"cuda_graphs": "off"}}
+# core_overlap / cuda_graphs / chunk_pipeline off
+DESIGNS = ("pipeline", "pipeline-serial", "pipeline-eager", "pipeline-unpiped", "single")
+CORE_OVERRIDES = {
+    "pipeline-serial": {"core_overlap": "off"},
+    "pipeline-eager": {"cuda_graphs": "off"},
+    "pipeline-unpiped": {"chunk_pipeline": "off"},
+}
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"

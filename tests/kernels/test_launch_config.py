@@ -56,7 +56,32 @@ def test_lookup_precedence(monkeypatch):
             (768, 32): 64,
         }
         for (hidden, block_r), expected in block_k.items():
-            config = lc._lookup("x", "sgmv_shrink", 64, hidden, block_r)
+            config = lc._lookup("x", "sgmv_shrink", 64, hidden, block_r, 2)
             assert dict(config)["BLOCK_K"] == expected, (hidden, block_r)
     finally:
         lc._lookup.cache_clear()
+
+
+@pytest.mark.parametrize("op", sorted(lc.REQUIRED_KEYS))
+def test_float32_configs_fit_shared_memory_and_bfloat16_ones_stay_as_tuned(op):
+    """The tables are tuned for 2-byte dtypes; with float32 elements a config's pipeline would
+    ask for more shared memory than the GPU has (shrink, t4096: 245,760 > 232,448 bytes on the
+    H200: OutOfResources). get_config drops stages until it fits, and leaves 2-byte configs alone."""
+    fitted = 0
+    for name in ("NVIDIA_H200", "default"):
+        for key, tuned in lc.load_table(name)[op].items():
+            bucket = int(key.split("_")[0][1:])
+            hidden = key.split("_")[1][1:]
+            hidden = 768 if hidden == "*" else int(hidden)
+            for block_r in (16, 32, 64):
+                bf16 = dict(lc._lookup(name, op, bucket, hidden, block_r, 2))
+                fp32 = dict(lc._lookup(name, op, bucket, hidden, block_r, 4))
+                assert lc.shared_memory_bytes(op, fp32, block_r, 4) <= lc.SHARED_MEMORY_LIMIT, (name, key, fp32)
+                assert {k: v for k, v in fp32.items() if k != "num_stages"} == {
+                    k: v for k, v in bf16.items() if k != "num_stages"
+                }
+                fitted += fp32["num_stages"] < bf16["num_stages"]
+    lookup = dict(lc._lookup("NVIDIA_H200", "sgmv_shrink", 4096, 768, 16, 2))
+    assert lookup == lc.load_table("NVIDIA_H200")["sgmv_shrink"]["t4096_h768_r16"], "bf16: as tuned"
+    if op == "sgmv_shrink":
+        assert fitted > 0, "the H200 shrink table has float32 configs that did not fit"

@@ -593,3 +593,12 @@ def test_bench_repository_pipeline_eager_turns_the_cuda_graphs_off(tmp_path, eng
     assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-eager"
     committed = bench_server.bench_repository(tmp_path / "on", engine_params, bench_server.Layout(design="pipeline"))
     assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).cuda_graphs is True
+
+
+def test_bench_repository_pipeline_unpiped_turns_the_chunk_pipeline_off(tmp_path, engine_params):
+    layout = bench_server.Layout(design="pipeline-unpiped")
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, layout)
+    core = _parse_config(repo / "gliner2_core" / "config.pbtxt")
+    assert _params(core) == {**engine_params, "chunk_pipeline": "off"}
+    assert _engine_config(core).chunk_pipeline is False and _engine_config(core).cuda_graphs is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-unpiped"
