@@ -461,42 +461,43 @@ class RecordBuilder:
         )
 
     def pad_batch(self, records: Sequence[TransformedRecord]) -> PreprocessedBatch:
-        """GLiNER2's ``processor._pad_batch(records)``, field for field (tests compare them)."""
+        """GLiNER2's ``processor._pad_batch(records)``, field for field (tests compare them).
+
+        No Python loop over rows for the token and word arrays: each is one ``fromiter`` of
+        all rows and one masked assignment; the schema routes are assigned once per distinct
+        schema. Measured (perf/bench_host_steps.py, 1,024 GPU-stage rows, a 2-core CPU host,
+        medians of 3 alternating runs): 14.8 -> 3.1 us per row, with the parse's array rows."""
         if not records:
             return self.processor._pad_batch(list(records))
         rows = len(records)
         lengths = [len(r.input_ids) for r in records]
-        input_ids = np.zeros((rows, max(lengths)), dtype=np.int64)
-        for i, r in enumerate(records):
-            input_ids[i, : lengths[i]] = r.input_ids
-        attention_mask = (np.arange(input_ids.shape[1])[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+        input_ids, token_mask = _pad_rows([r.input_ids for r in records], lengths)
+        attention_mask = token_mask.astype(np.int64)
         word_counts = [len(r.text_word_first_positions) for r in records]
-        word_indices = np.zeros((rows, max(word_counts)), dtype=np.int64)
+        word_indices, word_mask = _pad_rows([r.text_word_first_positions for r in records], word_counts)
+        routes: dict = {}  # per schema (records of one schema share its lists): routes and its rows
         for i, r in enumerate(records):
-            word_indices[i, : word_counts[i]] = r.text_word_first_positions
-        word_mask = np.arange(word_indices.shape[1])[None, :] < np.asarray(word_counts)[:, None]
-        routes = {}  # per schema (records of one schema share its lists): (query, classification) routes
-        for r in records:
             key = (id(r.schema_special_positions), id(r.task_types))
-            if key not in routes:
+            entry = routes.get(key)
+            if entry is None:
                 query, cls = [], []
                 for group, positions in enumerate(r.schema_special_positions):
                     pairs = [(position, group) for position in positions[1:]]
                     (cls if r.task_types[group] == "classifications" else query).extend(pairs)
-                routes[key] = (query, cls)
-        per_record = [routes[(id(r.schema_special_positions), id(r.task_types))] for r in records]
+                entry = routes[key] = (query, cls, [])
+            entry[2].append(i)
 
         def pad_routes(which: int):
-            width = max((len(rs[which]) for rs in per_record), default=0)
+            width = max((len(entry[which]) for entry in routes.values()), default=0)
             indices = np.zeros((rows, width), dtype=np.int64)
             groups = np.zeros((rows, width), dtype=np.int64)
             counts = np.zeros(rows, dtype=np.int64)
-            for i, rs in enumerate(per_record):
-                pairs = rs[which]
+            for entry in routes.values():
+                pairs, members = entry[which], entry[2]
                 if pairs:
-                    indices[i, : len(pairs)] = [p for p, _ in pairs]
-                    groups[i, : len(pairs)] = [g for _, g in pairs]
-                    counts[i] = len(pairs)
+                    indices[members, : len(pairs)] = [p for p, _ in pairs]
+                    groups[members, : len(pairs)] = [g for _, g in pairs]
+                    counts[members] = len(pairs)
             mask = np.arange(width)[None, :] < counts[:, None]
             return torch.from_numpy(indices), torch.from_numpy(mask), torch.from_numpy(groups)
 
@@ -527,3 +528,16 @@ class RecordBuilder:
             cls_marker_mask=cls_mask,
             cls_group_index=cls_groups,
         )
+
+
+def _pad_rows(values: Sequence[Sequence[int]], lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ints (lists, or numpy arrays as the GPU stage's parse gives them) -> ([rows,
+    longest] int64 zero-padded, its bool mask of real entries), with one masked assignment."""
+    counts = np.asarray(lengths, dtype=np.int64)
+    mask = np.arange(max(lengths))[None, :] < counts[:, None]
+    out = np.zeros(mask.shape, dtype=np.int64)
+    if isinstance(values[0], np.ndarray):
+        out[mask] = np.concatenate(values)
+    else:
+        out[mask] = np.fromiter(chain.from_iterable(values), dtype=np.int64, count=int(counts.sum()))
+    return out, mask

@@ -618,14 +618,17 @@ class CoreModelHandler(TritonModelHandler):
         if not np.all((t_min >= 0.0) & (t_min <= 1.0)):
             raise RequestError(INVALID_ARG, "T_MIN must be within [0, 1]")
         token_ends, word_ends = np.cumsum(tokens).tolist(), np.cumsum(words).tolist()
-        ids_list, positions_list, t_list = ids.tolist(), positions.tolist(), t_min.tolist()
+        t_list = t_min.tolist()
         texts: dict = {}  # bytes -> str: the rows of one request mostly share a schema
         items, token_start, word_start = [], 0, 0
         for row in range(rows):
-            row_ids = ids_list[token_start : token_ends[row]]
-            row_words = positions_list[word_start : word_ends[row]]
+            # views of the request's arrays, not lists: pad_batch concatenates them without a
+            # Python object per token (perf/bench_host_steps.py, 1,024 rows, 2-core CPU host:
+            # the parse 17.2 -> 6.3 us per row, the padding 14.8 -> 3.1)
+            row_ids = ids[token_start : token_ends[row]]
+            row_words = positions[word_start : word_ends[row]]
             token_start, word_start = token_ends[row], word_ends[row]
-            if row_words and (row_words[0] < 0 or row_words[-1] >= len(row_ids)):
+            if len(row_words) and (row_words[0] < 0 or row_words[-1] >= len(row_ids)):
                 raise RequestError(INVALID_ARG, "WORD_POS must be increasing positions within each row")
             schema, adapter = flat["SCHEMA"][row], flat["ADAPTER_ID"][row]
             if schema not in texts:

@@ -54,14 +54,26 @@ def test_pad_batch_equals_gliner2(reference_model):
     builder = RecordBuilder(processor)
     parts = [builder.schema_part(Schema.from_dict(d).build()) for d in demo_schemas()]
     records = [builder.record(text, parts[i % len(parts)]) for i, text in enumerate(TEXTS * 2)]
-    for subset in (records, records[:1], records[5:9]):
-        expected, got = processor._pad_batch(list(subset)), builder.pad_batch(subset)
-        for field in dataclasses.fields(expected):
-            want, have = getattr(expected, field.name), getattr(got, field.name)
-            if isinstance(want, torch.Tensor):
-                assert have.dtype == want.dtype and torch.equal(have, want), field.name
-            else:
-                assert have == want, field.name
+    import numpy as np
+
+    # the GPU stage's records hold numpy views of the request's arrays instead of lists
+    as_arrays = [
+        dataclasses.replace(
+            r,
+            input_ids=np.asarray(r.input_ids, dtype=np.int64),
+            text_word_first_positions=np.asarray(r.text_word_first_positions, dtype=np.int64),
+        )
+        for r in records
+    ]
+    for subset, arrays in ((records, as_arrays), (records[:1], as_arrays[:1]), (records[5:9], as_arrays[5:9])):
+        expected = processor._pad_batch(list(subset))
+        for got in (builder.pad_batch(subset), builder.pad_batch(arrays)):
+            for field in dataclasses.fields(expected):
+                want, have = getattr(expected, field.name), getattr(got, field.name)
+                if isinstance(want, torch.Tensor):
+                    assert have.dtype == want.dtype and torch.equal(have, want), field.name
+                else:
+                    assert have == want, field.name
 
 
 from hypothesis import given, settings  # noqa: E402

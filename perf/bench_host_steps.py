@@ -1,0 +1,115 @@
+"""The GPU stage's host-only steps, timed per row on this machine's CPU.
+
+    python perf/bench_host_steps.py --checkpoint models/demo-tiny [--rows 1024] [--repeats 20]
+
+The GPU stage is one process whose host work bounds it at saturation (about one core-second
+per second on the H200, session 9): these are the steps of ``gliner2_core`` that are pure host
+work whatever the device, each on the rows of one big call (16 rows per front request, the
+benchmarks' entity schema, texts of 60-120 words): parsing the fronts' requests
+(``CoreModelHandler._parse``), padding a chunk (``pad_batch``), splitting a chunk's hits into
+rows (``compact_dense``'s host part, from tensors on the CPU) and packing the responses
+(``_responses``). Prints the best of ``--repeats`` in microseconds per row, one line per step;
+an A/B is this script at two commits, paired (whole process) or line by line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import ENTITY_SCHEMA  # noqa: E402  (the benchmarks' schema)
+
+
+class _Tensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+    def as_numpy(self):
+        return self.array
+
+
+class _Pb:
+    """The parts of triton_python_backend_utils that the GPU stage's parse and pack use."""
+
+    Tensor = _Tensor
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.output_tensors, self.error = output_tensors, error
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return _Tensor(name, request[name]) if name in request else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    import numpy as np
+
+    from manylora.config import EngineConfig
+    from manylora.demo import demo_texts
+    from manylora.engine import Engine, Request
+    from manylora.serving import CoreModelHandler
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(args.checkpoint)}))
+    core = CoreModelHandler.__new__(CoreModelHandler)
+    core.pb_utils, core.engine, core.vocab = _Pb, engine, len(engine.processor.tokenizer)
+    schema = json.dumps(ENTITY_SCHEMA)
+    texts = demo_texts(args.rows, seed=5, min_words=60, max_words=120)
+    prepared = [engine.pre.prepare(i, Request(t, schema)) for i, t in enumerate(texts)]
+
+    def front_request(rows) -> dict:
+        records = [q.record for q in rows]
+        ints = lambda values: np.asarray(values, dtype=np.int32).reshape(1, -1)  # noqa: E731
+        return {
+            "INPUT_IDS": ints([t for r in records for t in r.input_ids]),
+            "ROW_TOKENS": ints([len(r.input_ids) for r in records]),
+            "WORD_POS": ints([w for r in records for w in r.text_word_first_positions]),
+            "ROW_WORDS": ints([len(r.text_word_first_positions) for r in records]),
+            "SCHEMA": np.array([[schema.encode()] * len(rows)], dtype=object),
+            "ADAPTER_ID": np.array([[b""] * len(rows)], dtype=object),
+            "T_MIN": np.asarray([[q.t_min for q in rows]], dtype=np.float32),
+        }
+
+    requests = [front_request(prepared[i : i + 16]) for i in range(0, args.rows, 16)]
+    job = core._parse(requests)
+    items = job[1]
+    answers = engine.run_core(items)
+    records = [engine.pre.core_record(ids, words, schema)[0] for ids, words, *_ in items]
+    # one chunk's heads on the CPU, stopped before its host part (compact_dense_begin's finish)
+    chunk = [engine.prepare(i, Request(t, schema)) for i, t in enumerate(texts)]
+    with torch.inference_mode():
+        batch, states, slots = engine.forward(chunk)
+        finish = engine.compact_begin(chunk, batch, states, slots)
+
+    steps = {
+        "parse (CoreModelHandler._parse)": lambda: core._parse(requests),
+        "pad (RecordBuilder.pad_batch)": lambda: engine.records.pad_batch(records),
+        "compact rows (compact_dense's host part)": finish,
+        "pack (CoreModelHandler._responses)": lambda: core._responses(job, answers),
+    }
+    for name, step in steps.items():
+        best = float("inf")
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            with torch.inference_mode():
+                step()
+            best = min(best, time.perf_counter() - started)
+        print(f"{name}: {best * 1e6 / args.rows:.1f} us/row (best of {args.repeats}, {args.rows} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
