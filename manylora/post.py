@@ -51,7 +51,7 @@ __all__ = [
     "CompactRow",
     "PostDecoder",
     "compact_batch",
-    "compact_dense",
+    "compact_dense_begin",
     "core_threshold",
     "dtype_floor",
     "format_result",
@@ -398,22 +398,6 @@ def compact_batch(
     return rows
 
 
-def compact_dense(
-    logits: Optional[torch.Tensor],
-    plan: dict,
-    cls_probs: Sequence[Sequence[Optional[torch.Tensor]]],
-    t_min_per_row: Sequence[float],
-    skipped: Sequence[Sequence[bool]],
-    num_tasks: Sequence[int],
-) -> list[CompactRow]:
-    """:func:`compact_batch`'s rows (equal, field for field) from ``HeadLoras.span_logits_dense``'s
-    padded logits, with a fixed number of tensor operations per batch instead of a few per row:
-    one sigmoid, one mask (each row against its own threshold, only where the row has queries
-    and words), one ``nonzero``, one ``.cpu()``. For rows whose tasks need no raw logits
-    (attribute groups take :func:`compact_batch`)."""
-    return compact_dense_begin(logits, plan, cls_probs, t_min_per_row, skipped, num_tasks)()
-
-
 def compact_dense_begin(
     logits: Optional[torch.Tensor],
     plan: dict,
@@ -422,11 +406,17 @@ def compact_dense_begin(
     skipped: Sequence[Sequence[bool]],
     num_tasks: Sequence[int],
 ) -> Callable[[], list[CompactRow]]:
-    """:func:`compact_dense` in two parts: this call queues the GPU work that needs no answer
-    from the GPU (sigmoid, each row's mask) and returns ``finish``, which waits for it (the
-    ``nonzero`` and the one device-to-host copy) and builds the rows on the host. The engine
-    queues the next chunk's forward in between and runs ``finish`` on a side stream, so the
-    GPU has work while the host splits this chunk's answer (``Engine._core_begin``)."""
+    """:func:`compact_batch`'s rows (equal, field for field) from ``HeadLoras.span_logits_dense``'s
+    padded logits, with a fixed number of tensor operations per batch instead of a few per row:
+    one sigmoid, one mask (each row against its own threshold, only where the row has queries
+    and words), one ``nonzero``, one ``.cpu()``. For rows whose tasks need no raw logits
+    (attribute groups take :func:`compact_batch`).
+
+    In two parts: this call queues the GPU work that needs no answer from the GPU (sigmoid,
+    each row's mask) and returns ``finish() -> rows``, which waits for it (the ``nonzero`` and
+    the one device-to-host copy) and builds the rows on the host. The engine queues the next
+    chunk's forward in between and runs ``finish`` on a side stream, so the GPU has work while
+    the host splits this chunk's answer (``Engine._core_begin``)."""
     n_rows = len(t_min_per_row)
     pred_counts = plan["pred_counts"]
     # every row's arrays are views of one array each (no allocation per row)

@@ -7,7 +7,7 @@ per second on the H200, session 9): these are the steps of ``gliner2_core`` that
 work whatever the device, each on the rows of one big call (16 rows per front request, the
 benchmarks' entity schema, texts of 60-120 words): parsing the fronts' requests
 (``CoreModelHandler._parse``), padding a chunk (``pad_batch``), splitting a chunk's hits into
-rows (``compact_dense``'s host part, from tensors on the CPU) and packing the responses
+rows (``compact_dense_begin``'s finish, from tensors on the CPU) and packing the responses
 (``_responses``). Prints the best of ``--repeats`` in microseconds per row, one line per step;
 an A/B is this script at two commits, paired (whole process) or line by line.
 """
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     steps = {
         "parse (CoreModelHandler._parse)": lambda: core._parse(requests),
         "pad (RecordBuilder.pad_batch)": lambda: engine.records.pad_batch(records),
-        "compact rows (compact_dense's host part)": finish,
+        "compact rows (compact_dense_begin's finish)": finish,
         "pack (CoreModelHandler._responses)": lambda: core._responses(job, answers),
     }
     for name, step in steps.items():

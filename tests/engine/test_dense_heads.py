@@ -1,4 +1,4 @@
-"""The GPU stage's dense heads path (HeadLoras.span_logits_dense + post.compact_dense) gives
+"""The GPU stage's dense heads path (HeadLoras.span_logits_dense + post.compact_dense_begin) gives
 the compact rows of the per-row list path (GLiNER2's batched span scoring with its
 per-row layout + post.compact_batch), field for field (scores to float32 rounding), for mixed schemas, thresholds and
 adapters with head LoRA. Both paths' answers are checked against GLiNER2 + PEFT elsewhere
