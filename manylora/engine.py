@@ -501,6 +501,9 @@ class Engine:
         is queued, so the GPU has that forward to run while the host finishes the previous
         call (``_core_begin``). Nothing here raises for a bad item; ``finish`` never raises."""
         self.store.prefetch(item[3] for item in items)
+        if between is not None and not self.store.in_host({item[3] for item in items if item[3]}):
+            between()  # a lookup below may wait for a disk load: the last call's answers go first
+            between = None
         results: list[Optional[CoreResult]] = [None] * len(items)
         prepared: list[Prepared] = []
         found: dict = {}
@@ -562,6 +565,7 @@ class Engine:
                 pending = None
                 if launched is not None:
                     pending = self._step(lambda c, launched=launched: self._heads_chunk(c, launched), chunk, out)  # B
+                launched = None  # chunk k's states are not kept through chunk k+1's forward
 
         def finish() -> list[CoreResult]:
             with torch.inference_mode():
@@ -582,9 +586,22 @@ class Engine:
             return None
 
     def _heads_chunk(self, chunk: list[Prepared], launched) -> tuple:
-        finish = self.compact_begin(chunk, *launched)
+        batch, states, slot_per_row = launched
+        finish = self.compact_begin(chunk, batch, states, self._repin(chunk, slot_per_row))
         event = torch.cuda.current_stream(self.device).record_event() if self._compact_stream is not None else None
         return chunk, finish, event
+
+    def _repin(self, chunk: list[Prepared], slot_per_row: list[int]) -> list[int]:
+        """The slots the chunk's heads read. Those of its forward, unless another ``acquire``
+        came between the chunk's steps A and B (a failed chunk run again alone, or the last
+        call's, in step C or ``between``) and may have given them to other adapters: then
+        the chunk's adapters are acquired again (reloaded if evicted; the encoder forward,
+        already queued, read its slots before any copy over them, see AdapterStore)."""
+        rows = [(p.adapter, s) for p, s in zip(chunk, slot_per_row) if p.adapter is not None]
+        if not rows or self.store.pinned(*zip(*rows)):
+            return slot_per_row
+        slots = self.store.acquire(a for a, _ in rows)
+        return [slots[p.adapter.name] if p.adapter is not None else -1 for p in chunk]
 
     def _finish_chunk(self, pending: tuple, out: dict) -> None:
         chunk, finish, event = pending
@@ -598,6 +615,8 @@ class Engine:
             for p, row in zip(chunk, rows):
                 out[id(p)] = row
         except Exception as exc:
+            if self._compact_stream is not None:  # its queued kernels still read this chunk's tensors
+                self._compact_stream.synchronize()
             self._recover(chunk, out, exc)
 
     def _run_chunk(self, chunk: list[Prepared], out: dict) -> None:

@@ -696,6 +696,17 @@ class AdapterStore:
         """The adapter whose weights slot ``slot`` holds."""
         return self._slot_owner[slot]
 
+    def pinned(self, adapters: Iterable[LoraAdapter], slots: Iterable[int]) -> bool:
+        """Whether each adapter still holds its slot, pinned by the last ``acquire`` (False once
+        another ``acquire`` has come between: the slot may have been given to another adapter)."""
+        with self._lock:
+            return all(s in self._pinned and self._slot_owner[s] is a for a, s in zip(adapters, slots))
+
+    def in_host(self, names: Iterable[str]) -> bool:
+        """Whether every adapter named is in host memory now (``get`` will not wait for a load)."""
+        with self._lock:
+            return all(name in self._host for name in names)
+
     def drain_load_seconds(self) -> dict[str, list[float]]:
         """Load latencies recorded since the last drain (for histograms). On CUDA a host->GPU
         latency is the copy's own time on the side stream, counted once the copy has finished."""

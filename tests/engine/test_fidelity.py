@@ -245,3 +245,49 @@ def test_chunk_pipeline_order_and_a_failing_host_step(tiny_engine, reference_mod
     pipelined = "".join(steps).split("ABC")[0]  # up to the chunk the failure runs again alone
     assert pipelined.startswith("ABACBAC"), steps
     _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
+
+
+def test_a_chunk_run_again_in_the_pipeline_leaves_the_next_chunk_its_adapters(
+    tiny_checkpoint, demo_adapters, peft_reference, monkeypatch
+):
+    """One GPU slot, two adapters with head LoRA: a wave (chunk) each. Chunk 0's host step C
+    fails once and chunk 0 runs again alone, after chunk 1's forward and before its heads;
+    that run takes the slot. Chunk 1's heads must still read chunk 1's adapter (they once
+    read chunk 0's). Every answer equals GLiNER2 + PEFT with the row's adapter."""
+    from gliner2.inference.schema import Schema
+
+    import manylora.engine as engine_module
+    from manylora.config import EngineConfig
+    from manylora.demo import demo_schemas
+    from manylora.engine import Engine
+
+    root = next(iter(demo_adapters.values())).parent
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root), "max_gpu_adapters": "1"}
+    engine = Engine(EngineConfig.from_parameters(values))
+    schema = json.dumps(demo_schemas()[0])
+    names = ["heads-r8", "enc-heads-r16"]
+    requests = [
+        Request(t, schema, adapter=names[i % 2], include_confidence=True)
+        for i, t in enumerate(demo_texts(6, seed=3, min_words=8, max_words=20))
+    ]
+    real, failed = engine_module.compact_dense_begin, []
+
+    def failing_once(*args, **kwargs):
+        finish = real(*args, **kwargs)
+        if failed:
+            return finish
+
+        def boom():
+            failed.append(True)
+            raise RuntimeError("simulated failure in step C")
+
+        return boom
+
+    monkeypatch.setattr(engine_module, "compact_dense_begin", failing_once)
+    assert len(engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])) == 2
+    got = engine.run(requests)
+    assert failed == [True]
+    for request, answer in zip(requests, got):
+        model = peft_reference(demo_adapters[request.adapter])
+        (expected,) = model.batch_extract([request.text], Schema.from_json(request.schema), include_confidence=True)
+        assert result_differences(answer, expected, atol=1e-4) == [], request.adapter
