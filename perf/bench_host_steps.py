@@ -1,4 +1,5 @@
-"""The GPU stage's host-only steps, timed per row on this machine's CPU.
+"""The pipeline's host-only steps (the fronts' pre and post, the GPU stage's parse, padding,
+compaction and packing), timed per row on this machine's CPU.
 
     python perf/bench_host_steps.py --checkpoint models/demo-tiny [--rows 1024] [--repeats 20]
 
@@ -8,7 +9,8 @@ work whatever the device, each on the rows of one big call (16 rows per front re
 benchmarks' entity schema, texts of 60-120 words): parsing the fronts' requests
 (``CoreModelHandler._parse``), padding a chunk (``pad_batch``), splitting a chunk's hits into
 rows (``compact_dense_begin``'s finish, from tensors on the CPU) and packing the responses
-(``_responses``). Prints the best of ``--repeats`` in microseconds per row, one line per step;
+(``_responses``). The fronts' own per-request steps (pre and post) come first, for the fronts' share of
+the host. Prints the best of ``--repeats`` in microseconds per row, one line per step;
 an A/B is this script at two commits, paired (whole process) or line by line.
 """
 
@@ -94,7 +96,12 @@ def main(argv=None) -> int:
         batch, states, slots = engine.forward(chunk)
         finish = engine.compact_begin(chunk, batch, states, slots)
 
+    requests_in = [Request(t, schema) for t in texts]
     steps = {
+        "front: pre (Preprocessor.prepare)": lambda: [engine.pre.prepare(i, r) for i, r in enumerate(requests_in)],
+        "front: post (PostDecoder.decode)": lambda: [
+            engine.post.decode(row, q.record, q.metadata, 0.5) for q, row in zip(prepared, answers)
+        ],
         "parse (CoreModelHandler._parse)": lambda: core._parse(requests),
         "pad (RecordBuilder.pad_batch)": lambda: engine.records.pad_batch(records),
         "compact rows (compact_dense_begin's finish)": finish,

@@ -132,6 +132,26 @@ def test_ascii_fast_path_splits_like_gliner2(text):
     assert RecordBuilder(Processor()).words(text) == list(WhitespaceTokenSplitter()(text, lower=True))
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain words, a-b_c compounds and 3.14 numbers.",  # no "@", no URL: the word alternatives only
+        "See www.Site.org/x and HTTPS://a.b/c?d=e, then x--y.",  # URLs, no "@"
+        "Mail a.b@c.de or @hand_le at http://x.io (me@x.io).",  # "@": the full pattern
+        "An @ alone, and an e-mail-like a@b without a domain.",
+    ],
+)
+def test_ascii_pattern_choice_splits_like_gliner2(text):
+    """The fast path picks a pattern without the alternatives the text cannot match (no "@":
+    no e-mail or handle; no "http"/"www.": no URL); each choice splits as GLiNER2 does."""
+    from gliner2.processing.word_splitter import WhitespaceTokenSplitter
+
+    class Processor:  # only what RecordBuilder.words reads
+        word_splitter = WhitespaceTokenSplitter()
+
+    assert RecordBuilder(Processor()).words(text) == list(WhitespaceTokenSplitter()(text, lower=True))
+
+
 # characters where a stand-in could go wrong: case folds onto the pattern's ASCII letters
 # (long s, Kelvin sign, dotted and dotless i), combining marks, joiners, non-ASCII spaces,
 # digits and symbols, scripts without case, astral characters
