@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -67,44 +68,57 @@ def load_table(name: str) -> dict:
     return table
 
 
-# Shared memory one program may use: the H200's opt-in limit per block (Triton's
-# OutOfResources message on that GPU: "Hardware limit: 232448").
+# Shared memory one program may use where the GPU does not say: the H200's opt-in limit per
+# block (Triton's OutOfResources message on that GPU: "Hardware limit: 232448").
 SHARED_MEMORY_LIMIT = 232448
 
 
 def shared_memory_bytes(op: str, config: dict, block_r: int, element_size: int) -> int:
-    """Shared memory of a config's software pipeline, as Triton allocates it: num_stages - 1
-    buffered copies of the loop's two operand tiles. Checked on the H200 (session 10): shrink
-    with BLOCK_M 64, BLOCK_K 256, rank tile 16, 4 stages, float32 asks for 3 x 81,920 = 245,760."""
+    """An upper bound of a config's shared memory: num_stages copies of the loop's two operand
+    tiles. What Triton 3.6 allocated on the H200 (session 10; tests/kernels/test_launch_config.py
+    keeps the figures): sgmv_shrink, BLOCK_M 64, BLOCK_K 256, 4 stages: 245,760 bytes in
+    float32 with rank tile 16 (3 tiles of 81,920), 262,144 in bfloat16 with rank tile 64 (4
+    tiles of 65,536: OutOfResources); sgmv_expand's did not grow with stages."""
     if op == "sgmv_shrink":
         tile = config["BLOCK_M"] * config["BLOCK_K"] + config["BLOCK_K"] * block_r
     else:
         tile = config["BLOCK_M"] * block_r + block_r * config["BLOCK_N"]
-    return max(1, config["num_stages"] - 1) * tile * element_size
+    return config["num_stages"] * tile * element_size
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int) -> tuple:
+def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int, limit: int) -> tuple:
     entries = load_table(table_name)[op]
     for h, r in ((hidden, block_r), (hidden, "*"), ("*", block_r), ("*", "*")):
         config = entries.get(f"t{bucket}_h{h}_r{r}")
         if config is not None:
             config = dict(config)
-            # the tables are tuned for 2-byte dtypes; wider elements get fewer stages until they fit
-            while (
-                config["num_stages"] > 1
-                and shared_memory_bytes(op, config, block_r, element_size) > SHARED_MEMORY_LIMIT
-            ):
+            # the tables are tuned for 2-byte dtypes and rank tile 16: wider elements and larger
+            # rank tiles get fewer stages until the bound fits the GPU
+            while config["num_stages"] > 1 and shared_memory_bytes(op, config, block_r, element_size) > limit:
                 config["num_stages"] -= 1
             return tuple(sorted(config.items()))
     raise AssertionError(f"unreachable: {table_name} has no t{bucket}_h*_r* for {op}")
+
+
+@functools.cache
+def shared_memory_limit(index: Optional[int]) -> int:
+    """The opt-in shared memory per block of CUDA device ``index`` (None: not a GPU)."""
+    if index is None:
+        return SHARED_MEMORY_LIMIT
+    properties = torch.cuda.get_device_properties(index)
+    return int(getattr(properties, "shared_memory_per_block_optin", 0) or SHARED_MEMORY_LIMIT)
 
 
 def get_config(
     op: str, device: torch.device, num_tokens: int, hidden: int, block_r: int, element_size: int = 2
 ) -> dict:
     """The launch config for one call (cached per bucket; the dict is a fresh copy)."""
-    return dict(_lookup(device_table_name(device), op, token_bucket(num_tokens), hidden, block_r, element_size))
+    index = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = shared_memory_limit(index)
+    return dict(_lookup(device_table_name(device), op, token_bucket(num_tokens), hidden, block_r, element_size, limit))
 
 
 def all_configs(op: str) -> list[dict]:

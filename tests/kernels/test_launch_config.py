@@ -56,32 +56,55 @@ def test_lookup_precedence(monkeypatch):
             (768, 32): 64,
         }
         for (hidden, block_r), expected in block_k.items():
-            config = lc._lookup("x", "sgmv_shrink", 64, hidden, block_r, 2)
+            config = lc._lookup("x", "sgmv_shrink", 64, hidden, block_r, 2, lc.SHARED_MEMORY_LIMIT)
             assert dict(config)["BLOCK_K"] == expected, (hidden, block_r)
     finally:
         lc._lookup.cache_clear()
 
 
 @pytest.mark.parametrize("op", sorted(lc.REQUIRED_KEYS))
-def test_float32_configs_fit_shared_memory_and_bfloat16_ones_stay_as_tuned(op):
-    """The tables are tuned for 2-byte dtypes; with float32 elements a config's pipeline would
-    ask for more shared memory than the GPU has (shrink, t4096: 245,760 > 232,448 bytes on the
-    H200: OutOfResources). get_config drops stages until it fits, and leaves 2-byte configs alone."""
+def test_configs_fit_shared_memory_for_every_dtype_and_rank_tile(op):
+    """The tables are tuned for 2-byte dtypes and rank tile 16. With float32 elements or large
+    rank tiles a config's pipeline asked for more shared memory than the H200 has (shrink,
+    t4096: 245,760 bytes in float32, 262,144 in bfloat16 with rank tile 64, > 232,448:
+    OutOfResources). The lookup drops stages until the bound fits, changing nothing else, and
+    leaves the tuned bfloat16 rank-16 configs as they are."""
+    limit = lc.SHARED_MEMORY_LIMIT
     fitted = 0
     for name in ("NVIDIA_H200", "default"):
         for key, tuned in lc.load_table(name)[op].items():
             bucket = int(key.split("_")[0][1:])
             hidden = key.split("_")[1][1:]
             hidden = 768 if hidden == "*" else int(hidden)
-            for block_r in (16, 32, 64):
-                bf16 = dict(lc._lookup(name, op, bucket, hidden, block_r, 2))
-                fp32 = dict(lc._lookup(name, op, bucket, hidden, block_r, 4))
-                assert lc.shared_memory_bytes(op, fp32, block_r, 4) <= lc.SHARED_MEMORY_LIMIT, (name, key, fp32)
-                assert {k: v for k, v in fp32.items() if k != "num_stages"} == {
-                    k: v for k, v in bf16.items() if k != "num_stages"
-                }
-                fitted += fp32["num_stages"] < bf16["num_stages"]
-    lookup = dict(lc._lookup("NVIDIA_H200", "sgmv_shrink", 4096, 768, 16, 2))
-    assert lookup == lc.load_table("NVIDIA_H200")["sgmv_shrink"]["t4096_h768_r16"], "bf16: as tuned"
+            for block_r in (16, 32, 64, 128):
+                for element_size in (2, 4):
+                    config = dict(lc._lookup(name, op, bucket, hidden, block_r, element_size, limit))
+                    assert lc.shared_memory_bytes(op, config, block_r, element_size) <= limit, (name, key, config)
+                    base = dict(lc._lookup(name, op, bucket, hidden, block_r, 2, limit))
+                    assert {k: v for k, v in config.items() if k != "num_stages"} == {
+                        k: v for k, v in base.items() if k != "num_stages"
+                    }
+                    fitted += config["num_stages"] < tuned["num_stages"]
+    for bucket in lc.TOKEN_BUCKETS:
+        for key in (f"t{bucket}_h768_r16", f"t{bucket}_h*_r*"):
+            tuned = lc.load_table("NVIDIA_H200")[op].get(key)
+            if tuned is not None and key.endswith("_r16"):
+                assert dict(lc._lookup("NVIDIA_H200", op, bucket, 768, 16, 2, limit)) == tuned, key
     if op == "sgmv_shrink":
-        assert fitted > 0, "the H200 shrink table has float32 configs that did not fit"
+        assert fitted > 0, "the H200 shrink table has configs that did not fit"
+
+
+# What Triton 3.6 allocated on the H200 for sgmv_shrink (session 10): (element size, BLOCK_M,
+# BLOCK_K, rank tile, stages) -> bytes. The bound must not be below any of them.
+H200_SHRINK_SHARED = {
+    (4, 64, 256, 16, 4): 245760,
+    (2, 64, 256, 64, 4): 262144,
+    (2, 64, 256, 128, 3): 294912,
+}
+
+
+@pytest.mark.parametrize("case", sorted(H200_SHRINK_SHARED))
+def test_shared_memory_bound_is_not_below_what_triton_allocated(case):
+    element_size, block_m, block_k, block_r, stages = case
+    config = {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_stages": stages}
+    assert lc.shared_memory_bytes("sgmv_shrink", config, block_r, element_size) >= H200_SHRINK_SHARED[case]
