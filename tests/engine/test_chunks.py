@@ -42,3 +42,28 @@ def _raising_prepare(prepare):
         return prepare(index, request, *rest)
 
     return wrapped
+
+
+def test_the_last_call_goes_first_when_this_call_may_wait_for_a_disk_load(tiny_checkpoint, demo_adapters, monkeypatch):
+    """core_begin(items, between): `between` (the last call's delivery) runs once this call's
+    first forward is queued, unless one of this call's adapters is not in host memory: a
+    lookup may then wait for a disk load, so the finished answers go first."""
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine
+
+    root = next(iter(demo_adapters.values())).parent
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}))
+    events: list[str] = []
+    real_forward = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda chunk: events.append("A") or real_forward(chunk))
+    prepared = engine.prepare(0, Request("Ada Lovelace met Bob in Paris.", SCHEMA))
+    item = (prepared.record.input_ids, prepared.record.text_word_first_positions, SCHEMA, "enc-r8", prepared.t_min)
+    assert not engine.store.in_host(["enc-r8"])
+    first = engine.core_begin([item], between=lambda: events.append("deliver"))
+    assert events[:2] == ["deliver", "A"], events  # cold: delivered before the lookups
+    (row,) = first()
+    assert not isinstance(row, RequestError)
+    events.clear()
+    second = engine.core_begin([item], between=lambda: events.append("deliver"))
+    assert events[:2] == ["A", "deliver"], events  # in host memory: after the first forward
+    assert [type(r) for r in second()] == [type(row)]
