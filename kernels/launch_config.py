@@ -115,10 +115,10 @@ def get_config(
 ) -> dict:
     """The launch config for one call (cached per bucket; the dict is a fresh copy)."""
     index = None
-    if device.type == "cuda":
+    if device.type == "cuda":  # one device query per launch at most
         index = device.index if device.index is not None else torch.cuda.current_device()
-    limit = shared_memory_limit(index)
-    return dict(_lookup(device_table_name(device), op, token_bucket(num_tokens), hidden, block_r, element_size, limit))
+    table = "default" if index is None else _cuda_table_name(index)
+    return dict(_lookup(table, op, token_bucket(num_tokens), hidden, block_r, element_size, shared_memory_limit(index)))
 
 
 def all_configs(op: str) -> list[dict]:

@@ -461,8 +461,12 @@ class CoreModelHandler(TritonModelHandler):
     def _run_job(self, job: tuple[list, list]) -> list:
         """Each item's CompactRow, or its RequestError."""
         _, items = job
-        rows = [item for item in items if not isinstance(item, RequestError)]
-        done = iter(self._run_core(rows))
+        return self._item_answers(items, self._run_core([item for item in items if not isinstance(item, RequestError)]))
+
+    def _item_answers(self, items: list, results: list) -> list:
+        """Each item's answer: its RequestError, or the next of ``results`` (the engine's, for
+        the items that are rows, in order). Publishes the adapter metrics."""
+        done = iter(results)
         answers = [item if isinstance(item, RequestError) else next(done) for item in items]
         try:
             self.metrics.publish(self.engine)
@@ -552,16 +556,11 @@ class CoreModelHandler(TritonModelHandler):
 
         def deliver() -> None:
             try:
-                done = iter(finish())
-                answers = [item if isinstance(item, RequestError) else next(done) for item in merged_items]
+                answers = self._item_answers(merged_items, finish())
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("the GPU thread failed on a merged batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
                 answers = [error] * len(merged_items)
-            try:
-                self.metrics.publish(self.engine)
-            except Exception:
-                logger.exception("publishing the adapter metrics failed")
             offset = 0
             for senders, job in jobs:
                 n = len(job[1])

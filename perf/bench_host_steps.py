@@ -37,7 +37,7 @@ class _Tensor:
 
 
 class _Pb:
-    """The parts of triton_python_backend_utils that the GPU stage's parse and pack use."""
+    """The parts of triton_python_backend_utils that the front's BLS request and the GPU stage's parse and pack use."""
 
     Tensor = _Tensor
 
@@ -45,9 +45,13 @@ class _Pb:
         def __init__(self, output_tensors, error=None):
             self.output_tensors, self.error = output_tensors, error
 
+    class InferenceRequest:  # what a front's BLS call sends: here, its inputs by name
+        def __init__(self, model_name, inputs, requested_output_names):
+            self.inputs = {t.name: t.array for t in inputs}
+
     @staticmethod
     def get_input_tensor_by_name(request, name):
-        return _Tensor(name, request[name]) if name in request else None
+        return _Tensor(name, request.inputs[name]) if name in request.inputs else None
 
 
 def main(argv=None) -> int:
@@ -58,12 +62,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
-    import numpy as np
-
     from manylora.config import EngineConfig
     from manylora.demo import demo_texts
     from manylora.engine import Engine, Request
-    from manylora.serving import CoreModelHandler
+    from manylora.serving import CoreModelHandler, TritonModelHandler
 
     engine = Engine(EngineConfig.from_parameters({"checkpoint": str(args.checkpoint)}))
     core = CoreModelHandler.__new__(CoreModelHandler)
@@ -72,20 +74,9 @@ def main(argv=None) -> int:
     texts = demo_texts(args.rows, seed=5, min_words=60, max_words=120)
     prepared = [engine.pre.prepare(i, Request(t, schema)) for i, t in enumerate(texts)]
 
-    def front_request(rows) -> dict:
-        records = [q.record for q in rows]
-        ints = lambda values: np.asarray(values, dtype=np.int32).reshape(1, -1)  # noqa: E731
-        return {
-            "INPUT_IDS": ints([t for r in records for t in r.input_ids]),
-            "ROW_TOKENS": ints([len(r.input_ids) for r in records]),
-            "WORD_POS": ints([w for r in records for w in r.text_word_first_positions]),
-            "ROW_WORDS": ints([len(r.text_word_first_positions) for r in records]),
-            "SCHEMA": np.array([[schema.encode()] * len(rows)], dtype=object),
-            "ADAPTER_ID": np.array([[b""] * len(rows)], dtype=object),
-            "T_MIN": np.asarray([[q.t_min for q in rows]], dtype=np.float32),
-        }
-
-    requests = [front_request(prepared[i : i + 16]) for i in range(0, args.rows, 16)]
+    front = TritonModelHandler.__new__(TritonModelHandler)  # the fronts' own BLS request building
+    front.pb_utils, front.core_model = _Pb, "gliner2_core"
+    requests = [front._core_request(prepared[i : i + 16]) for i in range(0, args.rows, 16)]
     job = core._parse(requests)
     items = job[1]
     answers = engine.run_core(items)
