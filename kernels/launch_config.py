@@ -39,12 +39,6 @@ def rank_block(max_rank: int) -> int:
     return max(16, 1 << (max_rank - 1).bit_length())
 
 
-def device_table_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "default"
-    return _cuda_table_name(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.cache
 def _cuda_table_name(index: int) -> str:
     # Asking the driver for the name costs tens of microseconds: once per device.
