@@ -1,6 +1,7 @@
 """SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update;
-DeBERTa's relative-position attention bias in one pass (relpos.py); and its position scores
-with every row's LoRA on the position projection (posscores.py).
+DeBERTa's relative-position attention bias in one pass (relpos.py); its position scores
+with every row's LoRA on the position projection (posscores.py); and GLiNER2's span scores
+without the span tensor (spanscores.py).
 
 Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
 
@@ -26,6 +27,7 @@ from .reference import (
     relpos_bias_ref,
     sgmv_expand_ref,
     sgmv_shrink_ref,
+    span_scores_ref,
 )
 
 BACKENDS = ("triton", "torch")
@@ -50,6 +52,8 @@ __all__ = [
     "sgmv_expand_ref",
     "sgmv_shrink_ref",
     "shrink",
+    "span_scores",
+    "span_scores_ref",
 ]
 
 
@@ -172,3 +176,21 @@ def position_scores(
     from .posscores import position_scores as kernel
 
     return kernel(x, table, batch, length, heads, lora_b, row_slots, v, row_group)
+
+
+def span_scores(
+    start: torch.Tensor,  # [B, L, K]
+    end: torch.Tensor,  # [B, L, K]
+    bias: torch.Tensor | None,  # [K]
+    queries: torch.Tensor,  # [B, Q, K]
+    query_bias: torch.Tensor | None,  # [B, Q]
+    lengths: torch.Tensor,  # int [B]
+    max_width: int,
+) -> torch.Tensor:
+    """logits[b, q, l, w] = relu(start[b, l] + end[b, l + w] + bias) · queries[b, q] + query_bias[b, q],
+    -inf where l + w >= lengths[b]; [B, Q, L, max_width]. Triton only (CUDA, or the CPU interpreter):
+    the CPU serving path keeps GLiNER2's own span head. See spanscores.py; span_scores_ref is the
+    float32 reference."""
+    from .spanscores import span_scores as kernel
+
+    return kernel(start, end, bias, queries, query_bias, lengths, max_width)

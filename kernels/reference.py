@@ -172,3 +172,28 @@ def position_scores_eager(
         v_rows = v_rows.unsqueeze(0).expand(heads, batch, rank, window).reshape(heads * batch, rank, window)
         scores.baddbmm_(u, v_rows)
     return scores.view(heads, batch, length, window).transpose(0, 1)
+
+
+def span_scores_ref(
+    start: torch.Tensor,  # [B, L, K]
+    end: torch.Tensor,  # [B, L, K]
+    bias: torch.Tensor | None,  # [K]
+    queries: torch.Tensor,  # [B, Q, K]
+    query_bias: torch.Tensor | None,  # [B, Q]
+    lengths: torch.Tensor,  # int [B]
+    max_width: int,
+) -> torch.Tensor:
+    """Float32 reference of ``span_scores`` (spanscores.py), materialising every span:
+    logits[b, q, l, w] = relu(start[b, l] + end[b, l + w] + bias) · queries[b, q] + query_bias[b, q],
+    -inf where l + w >= min(L, lengths[b]). Returns [B, Q, L, W] float32."""
+    batch, length, k_dim = start.shape
+    ends = torch.arange(length)[:, None] + torch.arange(max_width)[None, :]  # [L, W]
+    end_rows = torch.cat([end.float(), end.new_zeros(batch, max_width, k_dim, dtype=torch.float32)], dim=1)
+    hidden = start.float()[:, :, None, :] + end_rows[:, ends]  # [B, L, W, K]
+    if bias is not None:
+        hidden = hidden + bias.float()
+    logits = torch.einsum("blwk,bqk->bqlw", hidden.relu(), queries.float())
+    if query_bias is not None:
+        logits = logits + query_bias.float()[:, :, None, None]
+    valid = ends[None] < lengths.cpu().view(-1, 1, 1).clamp(max=length)
+    return logits.masked_fill(~valid[:, None].to(logits.device), float("-inf"))

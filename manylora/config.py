@@ -144,6 +144,7 @@ class EngineConfig:
     cuda_graph_warmup_rows: int = 16  # GPU stage: graphs captured at load for batches of up to this many rows
     cuda_graph_max_tokens: int = 16384  # GPU stage: graphs only for forwards of up to this many padded tokens
     chunk_pipeline: bool = True  # GPU stage: chunk k's host work while chunk k+1's forward runs (Engine._core_begin)
+    fused_span_scores: bool = False  # GPU stage: span scores by kernels/spanscores.py (triton backend only)
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     device: str = "cpu"
 
@@ -215,6 +216,13 @@ class EngineConfig:
             False,
             "GPU stage: 'on' (default) finishes each chunk on the host while the next chunk's forward runs on "
             "the GPU; 'off' runs each chunk's steps in turn (for A/B runs)",
+        ),
+        "fused_span_scores": (
+            _on_off,
+            False,
+            "GPU stage with the triton backend: 'on' scores spans with one kernel that never builds GLiNER2's "
+            "[rows, words, max_width, 4 x hidden] span tensor; 'off' (default, until measured on a GPU) runs "
+            "GLiNER2's own span head",
         ),
         "adapter_load_timeout": (
             _seconds,

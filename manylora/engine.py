@@ -136,6 +136,7 @@ class Engine:
         # backbone is not needed.
         model.encoder = None
         self.heads = HeadLoras(model)
+        self.heads.span_kernel = config.fused_span_scores and config.backend == "triton"
         shapes = {n: (m.in_features, m.out_features) for n, m in encoder.linears().items()}
         shapes.update(self.heads.shapes())
         self.memory: dict = {}  # the GPU stage's memory statement (bytes), filled on CUDA

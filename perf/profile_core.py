@@ -85,21 +85,25 @@ def main(argv=None) -> int:
         engine.run_core(items)
         sync()
         walls.append(time.perf_counter() - t0)
-    # chunk_pipeline on / off, interleaved on the same engine (the same run's A/B)
-    ab = {True: [], False: []}
-    for _ in range(args.repeats):
-        for on in (False, True):
-            engine.config = dataclasses.replace(engine.config, chunk_pipeline=on)
-            t0 = time.perf_counter()
-            engine.run_core(items)
-            sync()
-            ab[on].append(time.perf_counter() - t0)
-    engine.config = dataclasses.replace(engine.config, chunk_pipeline=True)
-    on_ms, off_ms = min(ab[True]) * 1e3, min(ab[False]) * 1e3
-    pipeline_line = (
-        f"chunk_pipeline A/B (best of {args.repeats}, interleaved): on {on_ms:.1f} ms ({args.rows / on_ms * 1e3:.0f} rows/s), "
-        f"off {off_ms:.1f} ms ({args.rows / off_ms * 1e3:.0f} rows/s), on/off throughput {off_ms / on_ms:.2f}x"
-    )
+
+    def set_pipeline(on: bool) -> None:
+        engine.config = dataclasses.replace(engine.config, chunk_pipeline=on)
+
+    def set_span_kernel(on: bool) -> None:
+        engine.heads.span_kernel = on
+
+    # each A/B interleaved on the same engine (the same run's comparison), then back to the default
+    ab_lines = [interleaved_ab("chunk_pipeline", engine, items, sync, args.repeats, set_pipeline, True)]
+    span_kernel = engine.heads.span_kernel
+    if engine.config.backend == "triton":
+        ab_lines.append(
+            interleaved_ab("fused_span_scores", engine, items, sync, args.repeats, set_span_kernel, span_kernel)
+        )
+        set_span_kernel(True)
+        fused = engine.run_core(items)
+        set_span_kernel(False)
+        ab_lines.append("fused_span_scores on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
+        set_span_kernel(span_kernel)
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
             f"GPU kernel time {kernel_ms:.1f} ms = {kernel_ms / args.rows:.3f} ms/row "
             f"({args.rows / kernel_ms * 1e3:.0f} rows/s if the GPU never waited); busy {kernel_ms / best / 10:.0f}% of the wall"
         )
-    lines.append(pipeline_line)
+    lines.extend(ab_lines)
     for sort in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(40)
@@ -127,6 +131,45 @@ def main(argv=None) -> int:
         lines.append(out.getvalue())
     print("\n".join(lines)[:12000])
     return 0
+
+
+def interleaved_ab(name: str, engine, items, sync, repeats: int, set_arm, default: bool) -> str:
+    """Best wall of ``engine.run_core(items)`` with ``set_arm(True)`` and ``set_arm(False)``,
+    alternating, ``repeats`` rounds; leaves the arm at ``default``."""
+    walls = {True: [], False: []}
+    for _ in range(repeats):
+        for on in (False, True):
+            set_arm(on)
+            t0 = time.perf_counter()
+            engine.run_core(items)
+            sync()
+            walls[on].append(time.perf_counter() - t0)
+    set_arm(default)
+    on_ms, off_ms = min(walls[True]) * 1e3, min(walls[False]) * 1e3
+    rows = len(items)
+    return (
+        f"{name} A/B (best of {repeats}, interleaved): on {on_ms:.1f} ms ({rows / on_ms * 1e3:.0f} rows/s), "
+        f"off {off_ms:.1f} ms ({rows / off_ms * 1e3:.0f} rows/s), on/off throughput {off_ms / on_ms:.2f}x"
+    )
+
+
+def compare_rows(a: list, b: list) -> str:
+    """How far two run_core answers for the same rows are apart: rows whose hits differ, and
+    the largest score difference among rows with the same hits."""
+    import numpy as np
+
+    differ, largest = 0, 0.0
+    for x, y in zip(a, b):
+        if type(x) is not type(y) or not hasattr(x, "to_arrays"):
+            differ += type(x) is not type(y)
+            continue
+        xa, ya = x.to_arrays(), y.to_arrays()
+        if xa["hits"].shape != ya["hits"].shape or not np.array_equal(xa["hits"], ya["hits"]):
+            differ += 1
+            continue
+        if xa["scores"].size:
+            largest = max(largest, float(np.abs(xa["scores"] - ya["scores"]).max()))
+    return f"{differ} of {len(a)} rows with other hits; largest score difference {largest:.3g} among the others"
 
 
 def gpu_kernel_ms(run, sync) -> float:

@@ -84,6 +84,9 @@ class HeadLoras:
         self.store: Optional[AdapterStore] = None
         self.linears: dict[str, HeadLoraLinear] = {}
         self.row_slots: Optional[Sequence[int]] = None  # slot per row of the batch being decoded
+        # the dense span scores through kernels/spanscores.py instead of GLiNER2's score_queries
+        # (the engine's fused_span_scores parameter; a GPU with the triton backend)
+        self.span_kernel = False
         for prefix in HEAD_MODULES:
             root = getattr(model, prefix, None)
             if root is None:
@@ -289,8 +292,16 @@ class HeadLoras:
         tokens = hidden[active_t.unsqueeze(1), word_index]
         tokens = torch.where(word_mask.unsqueeze(-1), tokens, torch.zeros((), dtype=tokens.dtype, device=device))
         with self._set(("span_rep",), rows=[slots[row] for row in active]):
-            logits = model._compute_span_scores_core(tokens, queries, device_tensor(lengths, device), mask_invalid=True)
+            logits = self._span_scores(tokens, queries, device_tensor(lengths, device))
         return logits, plan
+
+    def _span_scores(self, tokens: torch.Tensor, queries: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """GLiNER2's ``_compute_span_scores_core(tokens, queries, lengths, mask_invalid=True)``; with
+        ``span_kernel`` on, the same values from ``fused_span_scores`` (one kernel, no span tensor)."""
+        layer = fusable_span_layer(self.model) if self.span_kernel else None
+        if layer is None:
+            return self.model._compute_span_scores_core(tokens, queries, lengths, mask_invalid=True)
+        return fused_span_scores(layer, tokens, queries, lengths)
 
     def _count_embed_flat(self, counted, initial: torch.Tensor, slots) -> tuple[torch.Tensor, list[int]]:
         """GLiNER2's CountLSTM for every task of ``counted`` at once, on their gathered field
@@ -379,3 +390,37 @@ def classification_config(prompt: str, classifications: Sequence[dict]) -> Optio
     if best is None:
         best = next((c for c in classifications if prompt.startswith(c.get("task", ""))), None)
     return best
+
+
+def fusable_span_layer(model: nn.Module):
+    """GLiNER2's span layer when it has the form ``fused_span_scores`` computes (``SpanMarkerV0``
+    with ``out_project`` = Linear, ReLU, Dropout, Linear, in eval mode), else None."""
+    from gliner2.layers import SpanMarkerV0
+
+    layer = getattr(getattr(model, "span_rep", None), "span_rep_layer", None)
+    if not isinstance(layer, SpanMarkerV0) or layer.training:
+        return None
+    out = layer.out_project
+    if len(out) != 4 or not isinstance(out[1], nn.ReLU) or not isinstance(out[2], nn.Dropout):
+        return None
+    if not all(hasattr(out[i], "weight") and hasattr(out[i], "bias") for i in (0, 3)):
+        return None
+    return layer
+
+
+def fused_span_scores(layer, h: torch.Tensor, queries: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``layer.score_queries(h, queries, lengths, mask_invalid=True)`` (GLiNER2's factorised span
+    head: [B, Q, L, max_width] logits, -inf for spans past a row's words) with the span tensor
+    never built: the token-level projections as GLiNER2 runs them (through the modules, so each
+    row's head LoRA applies), then ``kernels.span_scores`` for the spans. GLiNER2 materialises
+    [B, L, max_width, 4H] in three elementwise passes before its batched GEMM (kernels/spanscores.py)."""
+    from manylora import kernels
+
+    hidden = h.shape[-1]
+    first, final = layer.out_project[0], layer.out_project[3]
+    # as score_queries: ReLU(cat(start, end)) through the first layer's two halves, per token
+    start = torch.nn.functional.linear(layer.project_start(h).relu(), first.weight[:, :hidden], None)
+    end = torch.nn.functional.linear(layer.project_end(h).relu(), first.weight[:, hidden:], None)
+    folded = torch.matmul(queries, final.weight)  # q^T (W2 d + b2) = (q^T W2) d + q^T b2
+    query_bias = None if final.bias is None else torch.matmul(queries, final.bias)
+    return kernels.span_scores(start, end, first.bias, folded, query_bias, lengths, layer.max_width)

@@ -68,3 +68,43 @@ def test_dense_rows_equal_list_rows(engine, demo_adapters, threshold):
                 assert np.array_equal(a[key], b[key]), (index, key)
         hits += len(a["hits"])
     assert hits > 0  # the comparison saw span hits, not only empty rows
+
+
+def test_fused_span_scores_give_the_same_rows(engine, demo_adapters, monkeypatch):
+    """``fused_span_scores`` (kernels/spanscores.py; on the CPU under the Triton interpreter) gives
+    the dense path's compact rows: the same hits and scores up to float32 summation order, with
+    head LoRA on the span projections and mixed schemas."""
+    adapters = [""] + sorted(n for n in demo_adapters if "heads" in n)
+    schemas = demo_schemas()
+    texts = demo_texts(6, seed=29, min_words=5, max_words=40) + EDGE_TEXTS
+    requests = [
+        Request(t, json.dumps(schemas[i % len(schemas)]), adapter=adapters[i % len(adapters)], threshold=0.3)
+        for i, t in enumerate(texts)
+    ]
+    found: dict = {}
+    prepared = [engine.prepare(i, r, found) for i, r in enumerate(requests)]
+    from manylora import kernels
+
+    calls = []
+    kernel = kernels.span_scores
+    monkeypatch.setattr(kernels, "span_scores", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    with torch.inference_mode():
+        plain = _rows(engine, prepared, False)
+        assert not calls
+        engine.heads.span_kernel = True
+        try:
+            fused = _rows(engine, prepared, False)
+        finally:
+            engine.heads.span_kernel = False
+    assert calls, "the kernel did not run"
+    hits = 0
+    for index in range(len(requests)):
+        a, b = fused[index].to_arrays(), plain[index].to_arrays()
+        assert a.keys() == b.keys()
+        for key in a:
+            if key in ("scores", "cls_probs", "hit_logits"):
+                assert np.allclose(a[key], b[key], rtol=1e-4, atol=1e-6, equal_nan=True), (index, key)
+            else:
+                assert np.array_equal(a[key], b[key]), (index, key)
+        hits += len(a["hits"])
+    assert hits > 0
