@@ -29,6 +29,8 @@ Designs (--design, several run one after the other, each with its own server):
             from Python (the A/B of the CUDA graphs, in the same run)
   pipeline-unpiped  the same with gliner2_core's chunk_pipeline off: each chunk's forward, heads
             and host step in turn (the A/B of the chunk pipeline, in the same run)
+  pipeline-fused-spans  the same with gliner2_core's fused_span_scores on: span scores by
+            kernels/spanscores.py instead of GLiNER2's span head (the A/B of the kernel)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -67,12 +69,13 @@ from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributi
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 FRONT, CORE = "gliner2", "gliner2_core"
-# core_overlap / cuda_graphs / chunk_pipeline off
-DESIGNS = ("pipeline", "pipeline-serial", "pipeline-eager", "pipeline-unpiped", "single")
+# core_overlap / cuda_graphs / chunk_pipeline off, fused_span_scores on
+DESIGNS = ("pipeline", "pipeline-serial", "pipeline-eager", "pipeline-unpiped", "pipeline-fused-spans", "single")
 CORE_OVERRIDES = {
     "pipeline-serial": {"core_overlap": "off"},
     "pipeline-eager": {"cuda_graphs": "off"},
     "pipeline-unpiped": {"chunk_pipeline": "off"},
+    "pipeline-fused-spans": {"fused_span_scores": "on"},
 }
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
@@ -271,9 +274,12 @@ def design_of(summary: Mapping) -> str:
     core = summary[FRONT].get("parameters", {}).get("core_model", "none").strip()
     if core in ("", "none"):
         return "single"
+    from manylora.config import EngineConfig
+
     parameters = summary.get(CORE, {}).get("parameters", {})
-    for design, overrides in CORE_OVERRIDES.items():
-        if all(parameters.get(k, "on").strip() == v for k, v in overrides.items()):
+    for design, overrides in CORE_OVERRIDES.items():  # an absent key has the engine's default
+        default = {k: "on" if getattr(EngineConfig, k) else "off" for k in overrides}
+        if all(parameters.get(k, default[k]).strip() == v for k, v in overrides.items()):
             return design
     return "pipeline"
 

@@ -602,3 +602,15 @@ def test_bench_repository_pipeline_unpiped_turns_the_chunk_pipeline_off(tmp_path
     assert _params(core) == {**engine_params, "chunk_pipeline": "off"}
     assert _engine_config(core).chunk_pipeline is False and _engine_config(core).cuda_graphs is True
     assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-unpiped"
+
+
+def test_bench_repository_pipeline_fused_spans_turns_the_span_kernel_on(tmp_path, engine_params):
+    layout = bench_server.Layout(design="pipeline-fused-spans")
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, layout)
+    core = _parse_config(repo / "gliner2_core" / "config.pbtxt")
+    assert _params(core) == {**engine_params, "fused_span_scores": "on"}
+    assert _engine_config(core).fused_span_scores is True and _engine_config(core).chunk_pipeline is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-fused-spans"
+    committed = bench_server.bench_repository(tmp_path / "off", engine_params, bench_server.Layout(design="pipeline"))
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_span_scores is False
+    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "off is the default"
