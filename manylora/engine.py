@@ -36,7 +36,7 @@ from manylora.errors import INTERNAL, INVALID_ARG, NOT_FOUND, UNAVAILABLE, Reque
 from manylora.kernels import SgmvMetaBuilder
 from manylora.lora.adapter import AdapterError
 from manylora.lora.batch import LoraBatch
-from manylora.lora.heads import HeadLoras
+from manylora.lora.heads import HeadLoras, check_span_kernel
 from manylora.lora.store import AdapterStore, plan_waves
 from manylora.post import CompactRow, PostDecoder, compact_batch, compact_dense_begin, needs_raw_logits, skipped_tasks
 from manylora.pre import CHARS_PER_TOKEN_BOUND, Prepared, Preprocessor
@@ -146,6 +146,12 @@ class Engine:
         self.encoder = encoder.to(device=self.device, dtype=self.dtype).eval()
         self.encoder.backend = config.backend
         self.model = model.to(device=self.device, dtype=self.dtype)
+        if self.heads.span_kernel:  # an opt-in kernel: on a GPU it has not met, refuse rather than misanswer
+            problem = check_span_kernel(self.model)
+            if problem:
+                from manylora.config import ConfigError
+
+                raise ConfigError(f"parameter 'fused_span_scores': {problem} on {self.device}; set it 'off'")
         self.processor = model.processor
         self.pre = Preprocessor(model, config.max_request_tokens)
         self.records = self.pre.records

@@ -424,3 +424,35 @@ def fused_span_scores(layer, h: torch.Tensor, queries: torch.Tensor, lengths: to
     folded = torch.matmul(queries, final.weight)  # q^T (W2 d + b2) = (q^T W2) d + q^T b2
     query_bias = None if final.bias is None else torch.matmul(queries, final.bias)
     return kernels.span_scores(start, end, first.bias, folded, query_bias, lengths, layer.max_width)
+
+
+@torch.no_grad()
+def check_span_kernel(model: nn.Module, seed: int = 0) -> str:
+    """``fused_span_scores`` against GLiNER2's own ``score_queries`` on a few random rows of this
+    model's span layer, on its device and dtype (the load-time check of the span kernel). Returns
+    "" when they agree (the same -inf spans; finite logits within two steps of the dtype at the
+    largest logit's scale, for the dot's other summation order; float32 within 1e-5 of that
+    scale), else what went wrong."""
+    layer = fusable_span_layer(model)
+    if layer is None:
+        return "the checkpoint's span head is not GLiNER2's SpanMarkerV0 form (Linear, ReLU, Dropout, Linear)"
+    weight = layer.out_project[3].weight
+    device, dtype, hidden = weight.device, weight.dtype, weight.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, 37, hidden, generator=gen).to(device, dtype)
+    queries = torch.randn(3, 21, hidden, generator=gen).to(device, dtype)
+    lengths = torch.tensor([37, 16, 1], device=device)
+    want = layer.score_queries(h, queries, lengths, mask_invalid=True)
+    try:
+        got = fused_span_scores(layer, h, queries, lengths)
+    except Exception as exc:
+        return f"the span kernel failed: {type(exc).__name__}: {exc}"
+    finite = torch.isfinite(want)
+    if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
+        return "the span kernel's masked spans differ from GLiNER2's"
+    step = max(2 * torch.finfo(dtype).eps, 1e-5)  # two steps of the dtype (float32: summation order)
+    scale = float(want[finite].abs().max()) if finite.any() else 0.0
+    worst = float((got[finite].float() - want[finite].float()).abs().max()) if finite.any() else 0.0
+    if not worst <= step * max(scale, 1.0):
+        return f"the span kernel's logits differ from GLiNER2's by up to {worst:.3g} (logits up to {scale:.3g})"
+    return ""

@@ -108,3 +108,20 @@ def test_fused_span_scores_give_the_same_rows(engine, demo_adapters, monkeypatch
                 assert np.array_equal(a[key], b[key]), (index, key)
         hits += len(a["hits"])
     assert hits > 0
+
+
+def test_fused_span_scores_is_checked_at_load(tiny_checkpoint, monkeypatch):
+    """On with the triton backend: the kernel meets GLiNER2's span head at load, and a kernel
+    that does not match refuses the load with the parameter's name; on the torch backend the
+    parameter leaves GLiNER2's head in place."""
+    from manylora import kernels
+    from manylora.config import ConfigError
+
+    params = {"checkpoint": str(tiny_checkpoint), "fused_span_scores": "on"}
+    assert Engine(EngineConfig.from_parameters({**params, "kernel_backend": "triton"}, device=DEVICE)).heads.span_kernel
+    if DEVICE == "cpu":
+        assert not Engine(EngineConfig.from_parameters(params, device=DEVICE)).heads.span_kernel  # torch backend
+    kernel = kernels.span_scores
+    monkeypatch.setattr(kernels, "span_scores", lambda *a: kernel(*a) + 1.0)
+    with pytest.raises(ConfigError, match="parameter 'fused_span_scores': the span kernel's logits differ"):
+        Engine(EngineConfig.from_parameters({**params, "kernel_backend": "triton"}, device=DEVICE))

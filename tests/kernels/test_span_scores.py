@@ -133,3 +133,30 @@ def test_equals_gliner2_score_queries_bfloat16(device):
     folded, bias = torch.matmul(queries, final.weight), torch.matmul(queries, final.bias)
     unrounded = span_scores_ref(start, end, first.bias, folded, bias, lengths, layer.max_width).to(torch.bfloat16)
     assert not torch.equal(unrounded[finite], want[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_time_check_passes_and_catches_a_wrong_kernel(device, dtype, monkeypatch):
+    from manylora import kernels
+    from manylora.lora.heads import check_span_kernel
+
+    class Model(torch.nn.Module):
+        pass
+
+    model = Model()
+    model.span_rep = torch.nn.Module()
+    model.span_rep.span_rep_layer = _span_layer(32, 6, 1).to(device, dtype)
+    assert check_span_kernel(model) == ""
+    kernel = kernels.span_scores
+    monkeypatch.setattr(kernels, "span_scores", lambda *a: kernel(*a) * 1.05)
+    assert "differ from GLiNER2's by up to" in check_span_kernel(model)
+    monkeypatch.setattr(kernels, "span_scores", lambda *a: kernel(*a).nan_to_num(neginf=0.0))
+    assert "masked spans differ" in check_span_kernel(model)
+
+    def broken(*a):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(kernels, "span_scores", broken)
+    assert check_span_kernel(model) == "the span kernel failed: RuntimeError: out of resources"
+    model.span_rep.span_rep_layer.train()
+    assert "not GLiNER2's SpanMarkerV0 form" in check_span_kernel(model)
