@@ -436,12 +436,13 @@ def compact_dense_begin(
                 cls_parts.append(probs.reshape(-1).to(torch.float64))
                 dtype = probs.dtype if dtype is None else dtype
     active = plan["rows"]
+    gated = plan.get("counts") if logits is not None else None  # entity-only: counts still on the GPU
     if logits is not None:
         device = logits.device
         width = logits.shape[-1]
         for row, words, tasks in active:
             grids[row][:] = (words, width)
-            for task, _, _, _ in tasks:
+            for task, _, _, _ in tasks if gated is None else ():
                 counts[row][task] = pred_counts[row][task]
         scores = torch.sigmoid(logits)
         # host lists -> device without a stream sync each (lora.batch.device_tensor)
@@ -457,11 +458,13 @@ def compact_dense_begin(
             & (q_axis < queries.view(-1, 1, 1, 1))
             & (l_axis < lengths.view(-1, 1, 1, 1))
         )
+        if gated is not None:  # no hits for a task whose count is 0, as GLiNER2 scores none
+            mask &= plan["query_gate"].view(*plan["query_gate"].shape, 1, 1)
     else:
         scores = mask = None
 
     def finish() -> list[CompactRow]:
-        return _compact_dense_rows(scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype)
+        return _compact_dense_rows(scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype, gated)
 
     return finish
 
@@ -474,9 +477,12 @@ def _row_views(sizes: Sequence[int]) -> list[np.ndarray]:
 
 
 def _compact_dense_rows(
-    scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype
+    scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype, gated=None
 ) -> list[CompactRow]:
-    """The host part of :func:`compact_dense_begin`: hits, one copy, the rows.
+    """The host part of :func:`compact_dense_begin`: hits, one copy, the rows. ``gated``: the
+    (count tensor, (row, task) of each count) of an entity-only chunk, whose counts come to
+    the host in the same copy: each active task's count, and a grid of (0, 0) for a row with
+    no task above 0 (GLiNER2 scores none of its spans).
 
     The hits of all rows are built with one table lookup (each distinct task layout's
     (task, instance, field) table once, rows pointing into it), then split into views per
@@ -489,10 +495,21 @@ def _compact_dense_rows(
         n_hits = index.shape[0]
         pack += [index.to(torch.float64).reshape(-1), scores[mask].to(torch.float64)]
     pack += cls_parts
+    n_counts = 0
+    if gated is not None:
+        n_counts = len(gated[1])
+        pack.append(gated[0].to(torch.float64))
     host = torch.cat(pack).cpu().numpy() if pack else np.zeros(0)
     index = host[: 4 * n_hits].reshape(n_hits, 4).astype(np.int64)
     hit_scores = host[4 * n_hits : 5 * n_hits].astype(np.float32)
-    cls_flat = host[5 * n_hits :].astype(np.float32)
+    cls_flat = host[5 * n_hits : host.size - n_counts].astype(np.float32)
+    if gated is not None:
+        count_of = dict(zip(gated[1], host[host.size - n_counts :].astype(np.int64).tolist()))
+        for row, _, tasks in active:
+            for task, _, _, _ in tasks:
+                counts[row][task] = count_of[row, task]
+            if not any(count_of[row, task] > 0 for task, _, _, _ in tasks):
+                grids[row][:] = 0
 
     hits_per_row: dict[int, np.ndarray] = {}
     scores_per_row: dict[int, np.ndarray] = {}

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from manylora.decode import device_tensor
+from manylora.decode import device_tensor, host_to_device
 from manylora.lora.store import AdapterStore
 
 HEAD_MODULES = ("span_rep", "classifier", "count_pred", "count_embed")
@@ -241,12 +241,25 @@ class HeadLoras:
         prompt_rows = device_tensor([r for r, _, _ in records], device)
         prompt_pos = device_tensor([p[0] for _, _, p in records], device)
         with self._set(("count_pred",), rows=[slots[r] for r, _, _ in records]):
-            counts = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1).tolist()
-        counted = []
-        for (row, task, positions), count in zip(records, counts):
-            pred_counts[row][task] = int(count)
-            if count > 0 and len(positions) > 1:
-                counted.append((row, task, positions, int(count)))
+            count_out = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1)
+        counted, counted_records = [], []  # the tasks with queries, and each one's index in records
+        if all(batch.task_types[row][task] == "entities" for row, task, _ in records):
+            # entity tasks only: GLiNER2 scores instance 0 of a task with a count above 0, and the
+            # count embedding's step 0 does not depend on the count. So the count is not waited
+            # for here (a sync in the middle of each chunk's heads): every task with fields gets
+            # its queries, the count gates its hits on the GPU, and the counts reach the host in
+            # the hits' one copy (post.compact_dense_begin)
+            plan["counts"] = (count_out, [(row, task) for row, task, _ in records])
+            for k, (row, task, positions) in enumerate(records):
+                if len(positions) > 1:
+                    counted.append((row, task, positions, 1))
+                    counted_records.append(k)
+        else:
+            for k, ((row, task, positions), count) in enumerate(zip(records, count_out.tolist())):
+                pred_counts[row][task] = int(count)
+                if count > 0 and len(positions) > 1:
+                    counted.append((row, task, positions, int(count)))
+                    counted_records.append(k)
         if not counted:
             return None, plan
         field_rows = [row for row, _, positions, _ in counted for _ in positions[1:]]
@@ -258,26 +271,33 @@ class HeadLoras:
         # [instances, fields] flattened (entities keep instance 0 only)
         by_row: dict[int, list] = {}
         source, offset = [], 0
-        for (row, task, positions, _), count in zip(counted, steps):
+        for (row, task, positions, _), count, record in zip(counted, steps, counted_records):
             fields = len(positions) - 1
             instances = 1 if batch.task_types[row][task] == "entities" else count
-            by_row.setdefault(row, []).append((task, instances, fields, offset))
+            by_row.setdefault(row, []).append((task, instances, fields, offset, record))
             offset += fields
         active = sorted(by_row)
         width_q = 0
-        dest = []
+        dest, query_records = [], []  # query_records: each query's task, as its index in records
         for a, row in enumerate(active):
             q = 0
             tasks = []
-            for task, instances, fields, field_offset in by_row[row]:
+            for task, instances, fields, field_offset, record in by_row[row]:
                 tasks.append((task, q, instances, fields))
                 for i in range(instances):
                     source.extend(i * total_fields + field_offset + f for f in range(fields))
+                query_records.extend([record] * (instances * fields))
                 q += instances * fields
             dest.append((a, q))
             width_q = max(width_q, q)
             plan["rows"].append((row, words[row], tasks))
         flat_dest = [a * width_q + k for a, q in dest for k in range(q)]
+        if "counts" in plan:  # [A, Q]: whether each query's task has a count above 0 (padding: False)
+            gate_index = torch.full((len(active) * width_q,), len(records), dtype=torch.long)
+            gate_index[flat_dest] = torch.tensor(query_records, dtype=torch.long)
+            counts_padded = torch.cat([count_out, count_out.new_zeros(1)])
+            gate = counts_padded[host_to_device(gate_index, device)] > 0
+            plan["query_gate"] = gate.view(len(active), width_q)
         hidden_size = hidden.shape[-1]
         queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
         queries[device_tensor(flat_dest, device)] = projected.reshape(longest * total_fields, hidden_size)[

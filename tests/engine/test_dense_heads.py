@@ -125,3 +125,48 @@ def test_fused_span_scores_is_checked_at_load(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(kernels, "span_scores", lambda *a: kernel(*a) + 1.0)
     with pytest.raises(ConfigError, match="parameter 'fused_span_scores': the span kernel's logits differ"):
         Engine(EngineConfig.from_parameters({**params, "kernel_backend": "triton"}, device=DEVICE))
+
+
+def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monkeypatch):
+    """A chunk of entity tasks only does not wait for the count head in its heads: each task's
+    count gates its hits on the GPU and reaches the host with them. Its rows equal the list
+    path's field for field, counts of 0 among them (forced: the count head predicts 0 for about
+    half the prompts, chosen by their own features), with head-LoRA adapters."""
+    import manylora.engine as engine_module
+
+    entity_schemas = [s for s in demo_schemas() if set(s) == {"entities"}]
+    adapters = [""] + sorted(n for n in demo_adapters if "heads" in n)
+    texts = demo_texts(12, seed=31, min_words=5, max_words=50) + EDGE_TEXTS
+    requests = [
+        Request(t, json.dumps(entity_schemas[i % len(entity_schemas)]), adapter=adapters[i % len(adapters)], threshold=0.2)
+        for i, t in enumerate(texts)
+    ]
+    count_pred = engine.model.count_pred
+
+    class CountsSomeZero(torch.nn.Module):
+        def forward(self, x):
+            out = count_pred(x).clone()
+            out[(x.float()[:, :8].sum(dim=1) * 1e4).long() % 2 == 0, 0] = out.max() + 1.0
+            return out
+
+    monkeypatch.setattr(engine.model, "count_pred", CountsSomeZero())
+    plans = []
+    real = engine_module.compact_dense_begin
+    monkeypatch.setattr(engine_module, "compact_dense_begin", lambda l, plan, *a: plans.append(plan) or real(l, plan, *a))
+    found: dict = {}
+    prepared = [engine.prepare(i, r, found) for i, r in enumerate(requests)]
+    with torch.inference_mode():
+        dense, listed = _rows(engine, prepared, False), _rows(engine, prepared, True)
+    assert plans and all("counts" in p for p in plans), "the entity-only chunks took the gated path"
+    zero = gated_rows = hits = 0
+    for index in range(len(requests)):
+        a, b = dense[index].to_arrays(), listed[index].to_arrays()
+        for key in a:
+            if key in ("scores", "cls_probs", "hit_logits"):
+                assert np.allclose(a[key], b[key], rtol=1e-5, atol=1e-8, equal_nan=True), (index, key)
+            else:
+                assert np.array_equal(a[key], b[key]), (index, key)
+        zero += int((a["counts"] == 0).sum())
+        gated_rows += int(a["grid"].sum() == 0)
+        hits += len(a["hits"])
+    assert zero and gated_rows and hits, (zero, gated_rows, hits)  # counts of 0, rows without spans, and hits
