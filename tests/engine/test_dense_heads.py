@@ -138,7 +138,9 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     adapters = [""] + sorted(n for n in demo_adapters if "heads" in n)
     texts = demo_texts(12, seed=31, min_words=5, max_words=50) + EDGE_TEXTS
     requests = [
-        Request(t, json.dumps(entity_schemas[i % len(entity_schemas)]), adapter=adapters[i % len(adapters)], threshold=0.2)
+        Request(
+            t, json.dumps(entity_schemas[i % len(entity_schemas)]), adapter=adapters[i % len(adapters)], threshold=0.2
+        )
         for i, t in enumerate(texts)
     ]
     count_pred = engine.model.count_pred
@@ -152,7 +154,9 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     monkeypatch.setattr(engine.model, "count_pred", CountsSomeZero())
     plans = []
     real = engine_module.compact_dense_begin
-    monkeypatch.setattr(engine_module, "compact_dense_begin", lambda l, plan, *a: plans.append(plan) or real(l, plan, *a))
+    monkeypatch.setattr(
+        engine_module, "compact_dense_begin", lambda logits, plan, *a: plans.append(plan) or real(logits, plan, *a)
+    )
     found: dict = {}
     prepared = [engine.prepare(i, r, found) for i, r in enumerate(requests)]
     with torch.inference_mode():
