@@ -338,10 +338,10 @@ class Engine:
 
     def _budget_chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
         """Cut the group (sorted by length) into chunks of rows x padded length <= the token
-        budget, at the cheapest cut points: a chunk costs its padded tokens plus a fixed
-        CHUNK_COST_TOKENS (its launches and decoding), so one long text is cut away from 255
-        short ones, but 16 slightly longer ones stay with the other 240."""
-        budget = self.config.max_batch_tokens
+        budget, at the cheapest cut points: a chunk costs its padded tokens (a CUDA graph's
+        padded shape where one runs it) plus a fixed CHUNK_COST_TOKENS (its launches and
+        decoding), so one long text is cut away from 255 short ones, but 16 slightly longer
+        ones stay with the other 240."""
         items = sorted(group, key=lambda p: p.num_tokens)
         padded = [-(-p.num_tokens // PAD_MULTIPLE) * PAD_MULTIPLE for p in items]
         n = len(items)
@@ -349,23 +349,39 @@ class Engine:
         cuts = [k for k in range(1, n) if padded[k] != padded[k - 1]] + [n]
         best = {0: (0, None)}  # items covered -> (cost, previous cut)
         for j in cuts:
-            rows_fit = max(1, budget // padded[j - 1])
-            best[j] = min(
-                (cost + -(-(j - i) // rows_fit) * CHUNK_COST_TOKENS + (j - i) * padded[j - 1], i)
-                for i, (cost, _) in best.items()
-            )
+            best[j] = min((cost + self._pieces(j - i, padded[j - 1])[0], i) for i, (cost, _) in best.items())
         bounds, j = [], n
         while j:
             i = best[j][1]
             bounds.append((i, j))
             j = i
         chunks = []
-        for i, j in reversed(bounds):  # over the budget: equal pieces of as many rows as fit
-            rows_fit = max(1, budget // padded[j - 1])
-            pieces = -(-(j - i) // rows_fit)
-            size = -(-(j - i) // pieces)
-            chunks.extend(items[k : min(k + size, j)] for k in range(i, j, size))
+        for i, j in reversed(bounds):
+            for size in self._pieces(j - i, padded[j - 1])[1]:
+                chunks.append(items[i : i + size])
+                i += size
         return chunks
+
+    def _pieces(self, rows: int, length: int) -> tuple[int, list[int]]:
+        """How ``rows`` rows of padded ``length`` are cut to fit the token budget: (cost, the
+        chunks' row counts). Equal pieces of as many rows as fit; with CUDA graphs also full
+        rows buckets and the rest, when that is as many pieces and fewer padded tokens (a graph
+        pads its rows up to a bucket)."""
+        fit = max(1, self.config.max_batch_tokens // length)
+        count = -(-rows // fit)
+        size = -(-rows // count)
+        plans = [[size] * (rows // size) + ([rows % size] if rows % size else [])]
+        if self.graphs is not None and count > 1:
+            from manylora.graphs import ROW_BUCKETS
+
+            bucket = max((b for b in ROW_BUCKETS if b <= fit), default=0)
+            if bucket and -(-rows // bucket) == count:
+                plans.append([bucket] * (rows // bucket) + ([rows % bucket] if rows % bucket else []))
+
+        def tokens(r: int) -> int:
+            return r * length if self.graphs is None else self.graphs.padded_tokens(r, length)
+
+        return min((sum(map(tokens, sizes)) + len(sizes) * CHUNK_COST_TOKENS, sizes) for sizes in plans)
 
     # ------------------------------------------------------------------ core
     def forward(self, chunk: list[Prepared]):

@@ -26,7 +26,7 @@ How:
 * All graphs share one memory pool: they never run at once, so intermediates are shared.
 
 Graphs are used for shapes of at most ``max_tokens`` padded tokens (MAX_GRAPH_TOKENS: small
-batches, where launches dominate) and ``max_length`` tokens per row; larger forwards, and keys
+batches, where launches dominate; above it see ``graph_shape``) and ``max_length`` tokens per row; larger forwards, and keys
 beyond ``max_graphs``, run eagerly. A capture that fails (out of
 memory, an operation that cannot be captured) marks its key eager, logged once.
 """
@@ -81,6 +81,37 @@ def row_bucket(rows: int) -> Optional[int]:
 def length_bucket(length: int) -> Optional[int]:
     """The smallest length bucket holding ``length`` tokens, None above the largest."""
     return _bucket(LENGTH_BUCKETS, length)
+
+
+def graph_shape(rows: int, length: int, max_tokens: int, max_length: int = 512) -> Optional[tuple[int, int]]:
+    """The (rows, length) a batch of ``rows`` x ``length`` padded tokens is replayed at, or None
+    when it runs eagerly. Small shapes (at most MAX_GRAPH_TOKENS once padded) go up to a rows
+    bucket and a length bucket, within ``max_tokens``. Larger shapes exist only once the cap is
+    raised above MAX_GRAPH_TOKENS (``cuda_graph_max_tokens``): they keep their own length (a
+    multiple of 16), rows go up to a bucket, and the batch's own tokens must be within the cap
+    (``padded_bound`` sizes the buffers for the bucket's extra rows). They are few (rows x length
+    stays near the token budget) and large: the length buckets had padded the 1,024 benchmark
+    rows' four 65,536-token chunks to 1.16x the eager forward's tokens (computed from
+    ``perf/profile_core.py``'s rows), and with graphs for them LoRA took 12.5% more GPU time on
+    the H200 (session 10)."""
+    bucket, padded = row_bucket(rows), length_bucket(length)
+    if bucket is None or padded is None or padded > max_length:
+        return None
+    if bucket * padded <= MAX_GRAPH_TOKENS or max_tokens <= MAX_GRAPH_TOKENS:
+        return (bucket, padded) if bucket * padded <= max_tokens else None
+    return (bucket, length) if rows * length <= max_tokens else None
+
+
+def padded_bound(max_tokens: int, max_length: int = 512) -> int:
+    """The most tokens a graph shape of ``graph_shape(..., max_tokens, max_length)`` holds."""
+    if max_tokens <= MAX_GRAPH_TOKENS:
+        return max_tokens
+    bound = MAX_GRAPH_TOKENS
+    for length in range(16, max_length + 1, 16):  # the largest bucket of rows within the cap, per length
+        rows = min(max_tokens // length, ROW_BUCKETS[-1])
+        shape = graph_shape(rows, length, max_tokens, max_length) if rows else None
+        bound = max(bound, shape[0] * shape[1] if shape else 0)
+    return bound
 
 
 class StaticLoraBatch(LoraBatch):
@@ -165,9 +196,10 @@ class EncoderGraphs:
         self.max_graphs = max_graphs
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_stream = torch.cuda.Stream(self.device)
-        self.meta_builder = SgmvMetaBuilder(max_tokens, self.device)
+        bound = padded_bound(max_tokens, max_length)  # a graph's rows go up to a bucket
+        self.meta_builder = SgmvMetaBuilder(bound, self.device)
         hidden = encoder.geometry.hidden_size
-        self.output = torch.empty(max_tokens * hidden, dtype=encoder.word_embeddings.dtype, device=self.device)
+        self.output = torch.empty(bound * hidden, dtype=encoder.word_embeddings.dtype, device=self.device)
         self.graphs: dict[tuple, _Graph] = {}
         self.eager: set[tuple] = set()  # keys whose capture failed
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_seconds": 0.0}
@@ -175,12 +207,18 @@ class EncoderGraphs:
 
     def key(self, rows: int, length: int, targets, max_rank: Optional[int]) -> Optional[tuple]:
         """(rows bucket, length bucket, LoRA targets or None, rank tile); None: no graph for this shape."""
-        bucket, padded = row_bucket(rows), length_bucket(length)
-        if bucket is None or padded is None or padded > self.max_length or bucket * padded > self.max_tokens:
+        shape = graph_shape(rows, length, self.max_tokens, self.max_length)
+        if shape is None:
             return None
+        bucket, padded = shape
         if not targets:
             return (bucket, padded, None, 0)
         return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank))
+
+    def padded_tokens(self, rows: int, length: int) -> int:
+        """Tokens the encoder computes for ``rows`` x ``length``: a graph's padded shape, else that."""
+        shape = graph_shape(rows, length, self.max_tokens, self.max_length)
+        return rows * length if shape is None else shape[0] * shape[1]
 
     def warm(self, variants, max_rows: int) -> int:
         """Capture now, ahead of traffic, the graph of every (rows bucket <= ``max_rows``, length

@@ -67,3 +67,43 @@ def test_the_last_call_goes_first_when_this_call_may_wait_for_a_disk_load(tiny_c
     second = engine.core_begin([item], between=lambda: events.append("deliver"))
     assert events[:2] == ["A", "deliver"], events  # in host memory: after the first forward
     assert [type(r) for r in second()] == [type(row)]
+
+
+def test_graph_shapes_keep_big_lengths_once_the_cap_is_raised():
+    from manylora.graphs import MAX_GRAPH_TOKENS, graph_shape, length_bucket, row_bucket
+
+    # the default cap: rows and lengths up to their buckets, nothing above the cap
+    assert graph_shape(5, 144, MAX_GRAPH_TOKENS) == (6, 160)
+    assert graph_shape(100, 208, MAX_GRAPH_TOKENS) is None  # 112 x 224 > 16,384
+    assert graph_shape(3, 528, 1 << 20) is None  # above the longest length bucket
+    for rows, length in ((1, 16), (12, 176), (64, 240), (80, 192)):
+        assert graph_shape(rows, length, MAX_GRAPH_TOKENS) in (None, (row_bucket(rows), length_bucket(length)))
+    # raised: shapes up to 16,384 padded tokens as before, larger ones at their own length
+    assert graph_shape(5, 144, 65536) == (6, 160)
+    assert graph_shape(301, 208, 65536) == (320, 208)
+    assert graph_shape(203, 272, 65536) == (224, 272)
+    assert graph_shape(330, 208, 65536) is None  # 352 x 208 > 65,536
+
+
+def test_with_cuda_graphs_big_chunks_are_cut_at_full_row_buckets(tiny_engine, monkeypatch):
+    """600 rows of one length, 180 fit the budget: four equal pieces of 150 would each be
+    padded to a graph's 160 rows; pieces of 160, 160, 160 and 120 pad none but the last."""
+    import types
+
+    from manylora.graphs import graph_shape
+
+    text = " ".join(["Ada went to Paris."] * 3)
+    rows = [tiny_engine.prepare(i, Request(text, SCHEMA)) for i in range(600)]
+    length = -(-rows[0].num_tokens // 16) * 16
+    budget = 180 * length
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=budget))
+    assert [len(c) for c in tiny_engine._budget_chunks(rows)] == [150] * 4  # no graphs: equal pieces
+
+    def padded_tokens(r, n):
+        shape = graph_shape(r, n, budget)
+        return r * n if shape is None else shape[0] * shape[1]
+
+    monkeypatch.setattr(tiny_engine, "graphs", types.SimpleNamespace(padded_tokens=padded_tokens))
+    chunks = tiny_engine._budget_chunks(rows)
+    assert [len(c) for c in chunks] == [160, 160, 160, 120]
+    assert sorted(p.index for c in chunks for p in c) == list(range(600))

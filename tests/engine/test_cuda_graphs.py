@@ -124,6 +124,28 @@ def test_shapes_beyond_the_graph_limits_run_eagerly(tiny_checkpoint, demo_adapte
 
 
 @needs_cuda
+def test_big_shapes_with_a_raised_cap_keep_their_length_and_answer_like_eager(tiny_checkpoint, demo_adapters):
+    """cuda_graph_max_tokens above 16,384: a chunk of more padded tokens is replayed at its own
+    length (rows up to a bucket, whose extra rows the buffers hold) and answers as the eager
+    forward does, with LoRA and base rows."""
+    root = next(iter(demo_adapters.values())).parent
+    params = {"max_gpu_adapters": 8, "max_batch_tokens": 65536, "cuda_graph_warmup_rows": 0}
+    graphs = _engine(tiny_checkpoint, root, "cuda:0", cuda_graph_max_tokens=65536, **params)
+    eager = _engine(tiny_checkpoint, root, "cuda:0", cuda_graphs="off", **params)
+    requests = _requests(["enc-r8", "qv-r8", ""], 600, seed=9)
+    prepared = [graphs.prepare(i, r) for i, r in enumerate(requests)]
+    chunks = graphs._chunks(prepared)
+    shapes = [(len(c), -(-max(p.num_tokens for p in c) // 16) * 16) for c in chunks]
+    assert any(r * n > 16384 for r, n in shapes), shapes  # a big shape is among them
+    for _ in range(2):  # captured, then replayed
+        got, want = graphs.run(requests), eager.run(requests)
+        assert [result_differences(a, b, atol=1e-4) for a, b in zip(got, want)] == [[]] * len(requests)
+    big = [key for key in graphs.graphs.graphs if key[0] * key[1] > 16384]
+    assert big and all(key[1] % 16 == 0 for key in big), graphs.graphs.graphs.keys()
+    assert graphs.graphs.stats["replays"] >= 2 * len(big)
+
+
+@needs_cuda
 def test_small_shapes_are_captured_at_load_for_base_and_preloaded_adapters(tiny_checkpoint, demo_adapters):
     """cuda_graph_warmup_rows: every (rows bucket <= 4, length bucket) graph for base rows and for
     the preloaded adapter's module set exists after load; a small request then captures nothing."""
