@@ -221,20 +221,17 @@ class HeadLoras:
         pred_counts = [[0] * len(batch.task_types[i]) for i in range(rows)]
         words = batch.text_word_counts
         records = []  # (row, task, positions of prompt + fields)
+        templates: dict = {}  # per schema (the rows of one schema share its lists): its span tasks
         for row in range(rows):
             if words[row] == 0:
                 continue
-            specials = batch.schema_special_indices[row]
-            for task, task_type in enumerate(batch.task_types[row]):
-                if task_type == "classifications" or task >= batch.schema_counts[row]:
-                    continue
-                positions = specials[task]
-                tokens = batch.schema_tokens_list[row][task]
-                if not positions or len(tokens) < 4:
-                    continue
-                if not any(tokens[j] in SPAN_TASK_MARKERS for j in range(len(tokens) - 1)):
-                    continue
-                records.append((row, task, positions))
+            specials, types = batch.schema_special_indices[row], batch.task_types[row]
+            tokens, count = batch.schema_tokens_list[row], batch.schema_counts[row]
+            key = (id(specials), id(types), id(tokens), count)
+            spans = templates.get(key)
+            if spans is None:
+                spans = templates[key] = _span_tasks(specials, types, tokens, count)
+            records.extend([(row, task, positions) for task, positions in spans])
         plan = {"pred_counts": pred_counts, "rows": []}
         if not records:
             return None, plan
@@ -270,40 +267,50 @@ class HeadLoras:
         # queries of each row in GLiNER2's order: its span tasks in task order, each as
         # [instances, fields] flattened (entities keep instance 0 only)
         by_row: dict[int, list] = {}
-        source, offset = [], 0
+        offset = 0
         for (row, task, positions, _), count, record in zip(counted, steps, counted_records):
             fields = len(positions) - 1
             instances = 1 if batch.task_types[row][task] == "entities" else count
             by_row.setdefault(row, []).append((task, instances, fields, offset, record))
             offset += fields
         active = sorted(by_row)
-        width_q = 0
-        dest, query_records = [], []  # query_records: each query's task, as its index in records
-        for a, row in enumerate(active):
+        per_row, source, query_records = [], [], []  # query_records: each query's task, as its index in records
+        for row in active:
             q = 0
             tasks = []
             for task, instances, fields, field_offset, record in by_row[row]:
                 tasks.append((task, q, instances, fields))
                 for i in range(instances):
-                    source.extend(i * total_fields + field_offset + f for f in range(fields))
+                    start = i * total_fields + field_offset
+                    source.extend(range(start, start + fields))
                 query_records.extend([record] * (instances * fields))
                 q += instances * fields
-            dest.append((a, q))
-            width_q = max(width_q, q)
+            per_row.append(q)
             plan["rows"].append((row, words[row], tasks))
-        flat_dest = [a * width_q + k for a, q in dest for k in range(q)]
+        width_q = max(per_row)
+        hidden_size = hidden.shape[-1]
+        flat = projected.reshape(longest * total_fields, hidden_size)
+        if longest == 1 and all(q == width_q for q in per_row):
+            # one instance per task and as many queries in every row: the queries are the
+            # projections in order (source is 0, 1, ...: fields are numbered in row and task order)
+            flat_dest = None
+            queries = flat.view(len(active), width_q, hidden_size)
+        else:
+            flat_dest = []
+            for a, q in enumerate(per_row):
+                flat_dest.extend(range(a * width_q, a * width_q + q))
+            queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
+            queries[device_tensor(flat_dest, device)] = flat[device_tensor(source, device)]
+            queries = queries.reshape(len(active), width_q, hidden_size)
         if "counts" in plan:  # [A, Q]: whether each query's task has a count above 0 (padding: False)
-            gate_index = torch.full((len(active) * width_q,), len(records), dtype=torch.long)
-            gate_index[flat_dest] = torch.tensor(query_records, dtype=torch.long)
+            gate_index = torch.tensor(query_records, dtype=torch.long)
+            if flat_dest is not None:
+                gate_index = torch.full((len(active) * width_q,), len(records), dtype=torch.long).index_put_(
+                    (torch.tensor(flat_dest, dtype=torch.long),), gate_index
+                )
             counts_padded = torch.cat([count_out, count_out.new_zeros(1)])
             gate = counts_padded[host_to_device(gate_index, device)] > 0
             plan["query_gate"] = gate.view(len(active), width_q)
-        hidden_size = hidden.shape[-1]
-        queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
-        queries[device_tensor(flat_dest, device)] = projected.reshape(longest * total_fields, hidden_size)[
-            device_tensor(source, device)
-        ]
-        queries = queries.reshape(len(active), width_q, hidden_size)
         active_t = device_tensor(active, device)
         lengths = [words[row] for row in active]
         max_words = max(lengths)
@@ -410,6 +417,22 @@ def classification_config(prompt: str, classifications: Sequence[dict]) -> Optio
     if best is None:
         best = next((c for c in classifications if prompt.startswith(c.get("task", ""))), None)
     return best
+
+
+def _span_tasks(specials, types, tokens, count: int) -> list[tuple[int, list]]:
+    """A schema's span tasks that GLiNER2 scores: (task, positions of its prompt and fields), for
+    tasks that are not classifications, have positions and a span marker in their tokens."""
+    out = []
+    for task, task_type in enumerate(types):
+        if task_type == "classifications" or task >= count:
+            continue
+        positions, task_tokens = specials[task], tokens[task]
+        if not positions or len(task_tokens) < 4:
+            continue
+        if not any(task_tokens[j] in SPAN_TASK_MARKERS for j in range(len(task_tokens) - 1)):
+            continue
+        out.append((task, positions))
+    return out
 
 
 def fusable_span_layer(model: nn.Module):

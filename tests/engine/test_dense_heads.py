@@ -135,6 +135,8 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     import manylora.engine as engine_module
 
     entity_schemas = [s for s in demo_schemas() if set(s) == {"entities"}]
+    # rows of 1, 3 and 5 entity types in one chunk: queries padded per row, and rows of one width
+    entity_schemas += [{"entities": ["person"]}, {"entities": ["person", "company", "city", "date", "product"]}]
     adapters = [""] + sorted(n for n in demo_adapters if "heads" in n)
     texts = demo_texts(12, seed=31, min_words=5, max_words=50) + EDGE_TEXTS
     requests = [
