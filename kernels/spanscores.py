@@ -70,8 +70,8 @@ def _span_scores_kernel(
     PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # the CPU interpreter: 16-bit dot operands as raw bits, truncating casts
 ):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)  # rows on the first axis: up to 2^31 - 1 programs there, 65,535 on the others
+    pid_m = tl.program_id(1)
     pid_q = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (l, w) = l * WIDTH + w
     spans = length * WIDTH
@@ -145,7 +145,7 @@ def span_scores(
     if out.numel() == 0:
         return out
     block_q = max(16, min(64, triton.next_power_of_2(num_q)))
-    grid = (triton.cdiv(length * max_width, block_m), batch, triton.cdiv(num_q, block_q))
+    grid = (batch, triton.cdiv(length * max_width, block_m), triton.cdiv(num_q, block_q))
     _span_scores_kernel[grid](
         start,
         end,

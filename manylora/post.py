@@ -423,7 +423,7 @@ def compact_dense_begin(
     counts, cls_sizes, grids = _row_views(num_tasks), _row_views(num_tasks), _row_views([2] * n_rows)
     cls_total = [0] * n_rows  # probabilities per row, for splitting cls_probs
     cls_parts = []
-    dtype = logits.dtype if logits is not None else None
+    cls_dtype = None  # the rows' dtype when no span logits exist: the first probabilities'
     for r in range(n_rows):
         for t in range(num_tasks[r]):
             if skipped[r][t]:
@@ -434,7 +434,8 @@ def compact_dense_begin(
                 cls_sizes[r][t] = probs.numel()
                 cls_total[r] += probs.numel()
                 cls_parts.append(probs.reshape(-1).to(torch.float64))
-                dtype = probs.dtype if dtype is None else dtype
+                cls_dtype = probs.dtype if cls_dtype is None else cls_dtype
+    dtype = logits.dtype if logits is not None else cls_dtype
     active = plan["rows"]
     gated = plan.get("counts") if logits is not None else None  # entity-only: counts still on the GPU
     if logits is not None:
@@ -464,7 +465,8 @@ def compact_dense_begin(
         scores = mask = None
 
     def finish() -> list[CompactRow]:
-        return _compact_dense_rows(scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype, gated)
+        rows = (scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype)
+        return _compact_dense_rows(*rows, gated, cls_dtype)
 
     return finish
 
@@ -477,12 +479,13 @@ def _row_views(sizes: Sequence[int]) -> list[np.ndarray]:
 
 
 def _compact_dense_rows(
-    scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype, gated=None
+    scores, mask, cls_parts, active, counts, cls_sizes, cls_total, grids, dtype, gated=None, cls_dtype=None
 ) -> list[CompactRow]:
     """The host part of :func:`compact_dense_begin`: hits, one copy, the rows. ``gated``: the
     (count tensor, (row, task) of each count) of an entity-only chunk, whose counts come to
     the host in the same copy: each active task's count, and a grid of (0, 0) for a row with
-    no task above 0 (GLiNER2 scores none of its spans).
+    no task above 0 (GLiNER2 scores none of its spans); when no task of the chunk is above 0,
+    GLiNER2 has no span logits, and the rows take ``cls_dtype`` as the other paths do.
 
     The hits of all rows are built with one table lookup (each distinct task layout's
     (task, instance, field) table once, rows pointing into it), then split into views per
@@ -510,6 +513,8 @@ def _compact_dense_rows(
                 counts[row][task] = count_of[row, task]
             if not any(count_of[row, task] > 0 for task, _, _, _ in tasks):
                 grids[row][:] = 0
+        if not any(count > 0 for count in count_of.values()):
+            dtype = cls_dtype
 
     hits_per_row: dict[int, np.ndarray] = {}
     scores_per_row: dict[int, np.ndarray] = {}

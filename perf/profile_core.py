@@ -154,14 +154,14 @@ def interleaved_ab(name: str, engine, items, sync, repeats: int, set_arm, defaul
 
 
 def compare_rows(a: list, b: list) -> str:
-    """How far two run_core answers for the same rows are apart: rows whose hits differ, and
-    the largest score difference among rows with the same hits."""
+    """How far two run_core answers for the same rows are apart: rows whose hits differ, rows
+    that failed in either, and the largest score difference among rows with the same hits."""
     import numpy as np
 
-    differ, largest = 0, 0.0
+    differ, failed, largest = 0, 0, 0.0
     for x, y in zip(a, b):
-        if type(x) is not type(y) or not hasattr(x, "to_arrays"):
-            differ += type(x) is not type(y)
+        if not hasattr(x, "to_arrays") or not hasattr(y, "to_arrays"):  # a RequestError on either side
+            failed += 1
             continue
         xa, ya = x.to_arrays(), y.to_arrays()
         if xa["hits"].shape != ya["hits"].shape or not np.array_equal(xa["hits"], ya["hits"]):
@@ -169,7 +169,10 @@ def compare_rows(a: list, b: list) -> str:
             continue
         if xa["scores"].size:
             largest = max(largest, float(np.abs(xa["scores"] - ya["scores"]).max()))
-    return f"{differ} of {len(a)} rows with other hits; largest score difference {largest:.3g} among the others"
+    return (
+        f"{differ} of {len(a)} rows with other hits, {failed} failed in either arm; "
+        f"largest score difference {largest:.3g} among the others"
+    )
 
 
 def gpu_kernel_ms(run, sync) -> float:

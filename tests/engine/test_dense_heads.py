@@ -127,22 +127,27 @@ def test_fused_span_scores_is_checked_at_load(tiny_checkpoint, monkeypatch):
         Engine(EngineConfig.from_parameters({**params, "kernel_backend": "triton"}, device=DEVICE))
 
 
-def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monkeypatch):
-    """A chunk of entity tasks only does not wait for the count head in its heads: each task's
-    count gates its hits on the GPU and reaches the host with them. Its rows equal the list
-    path's field for field, counts of 0 among them (forced: the count head predicts 0 for about
-    half the prompts, chosen by their own features), with head-LoRA adapters."""
+@pytest.mark.parametrize("zeros", ["half", "all"])
+def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monkeypatch, zeros):
+    """A chunk of entity tasks only (classification tasks beside them) does not wait for the
+    count head in its heads: each task's count gates its hits on the GPU and reaches the host
+    with them. Its rows equal the list path's field for field, with counts of 0 forced for about
+    half the prompts (chosen by their own features) or for all, and head-LoRA adapters."""
     import manylora.engine as engine_module
 
-    entity_schemas = [s for s in demo_schemas() if set(s) == {"entities"}]
-    # rows of 1, 3 and 5 entity types in one chunk: queries padded per row, and rows of one width
-    entity_schemas += [{"entities": ["person"]}, {"entities": ["person", "company", "city", "date", "product"]}]
+    schemas = [s for s in demo_schemas() if set(s) == {"entities"}]
+    # rows of 1, 3 and 5 entity types in one chunk (queries padded per row, and rows of one
+    # width), and a classification task beside entities
+    sentiment = {"task": "sentiment", "labels": ["positive", "negative", "neutral"]}
+    schemas += [
+        {"entities": ["person"]},
+        {"entities": ["person", "company", "city", "date", "product"]},
+        {"entities": ["person", "location"], "classifications": [sentiment]},
+    ]
     adapters = [""] + sorted(n for n in demo_adapters if "heads" in n)
     texts = demo_texts(12, seed=31, min_words=5, max_words=50) + EDGE_TEXTS
     requests = [
-        Request(
-            t, json.dumps(entity_schemas[i % len(entity_schemas)]), adapter=adapters[i % len(adapters)], threshold=0.2
-        )
+        Request(t, json.dumps(schemas[i % len(schemas)]), adapter=adapters[i % len(adapters)], threshold=0.2)
         for i, t in enumerate(texts)
     ]
     count_pred = engine.model.count_pred
@@ -150,10 +155,10 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     class CountsSomeZero(torch.nn.Module):
         def forward(self, x):
             out = count_pred(x).clone()
-            out[(x.float()[:, :8].sum(dim=1) * 1e4).long() % 2 == 0, 0] = out.max() + 1.0
+            chosen = (x.float()[:, :8].sum(dim=1) * 1e4).long() % 2 == 0 if zeros == "half" else slice(None)
+            out[chosen, 0] = out.max() + 1.0
             return out
 
-    monkeypatch.setattr(engine.model, "count_pred", CountsSomeZero())
     plans = []
     real = engine_module.compact_dense_begin
     monkeypatch.setattr(
@@ -161,10 +166,14 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     )
     found: dict = {}
     prepared = [engine.prepare(i, r, found) for i, r in enumerate(requests)]
-    with torch.inference_mode():
-        dense, listed = _rows(engine, prepared, False), _rows(engine, prepared, True)
+    engine.model.count_pred = CountsSomeZero()  # not monkeypatch: its undo deletes a submodule
+    try:
+        with torch.inference_mode():
+            dense, listed = _rows(engine, prepared, False), _rows(engine, prepared, True)
+    finally:
+        engine.model.count_pred = count_pred
     assert plans and all("counts" in p for p in plans), "the entity-only chunks took the gated path"
-    zero = gated_rows = hits = 0
+    zero = gated_rows = hits = probabilities = 0
     for index in range(len(requests)):
         a, b = dense[index].to_arrays(), listed[index].to_arrays()
         for key in a:
@@ -175,4 +184,6 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
         zero += int((a["counts"] == 0).sum())
         gated_rows += int(a["grid"].sum() == 0)
         hits += len(a["hits"])
-    assert zero and gated_rows and hits, (zero, gated_rows, hits)  # counts of 0, rows without spans, and hits
+        probabilities += len(a["cls_probs"])
+    assert zero and gated_rows and probabilities, (zero, gated_rows, probabilities)
+    assert (hits > 0) == (zeros == "half"), hits  # hits where counts are above 0, none where all are 0
