@@ -482,20 +482,22 @@ def check_span_kernel(model: nn.Module, seed: int = 0) -> str:
     weight = layer.out_project[3].weight
     device, dtype, hidden = weight.device, weight.dtype, weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(3, 37, hidden, generator=gen).to(device, dtype)
-    queries = torch.randn(3, 21, hidden, generator=gen).to(device, dtype)
-    lengths = torch.tensor([37, 16, 1], device=device)
-    want = layer.score_queries(h, queries, lengths, mask_invalid=True)
-    try:
-        got = fused_span_scores(layer, h, queries, lengths)
-    except Exception as exc:
-        return f"the span kernel failed: {type(exc).__name__}: {exc}"
-    finite = torch.isfinite(want)
-    if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
-        return "the span kernel's masked spans differ from GLiNER2's"
-    step = max(2 * torch.finfo(dtype).eps, 1e-5)  # two steps of the dtype (float32: summation order)
-    scale = float(want[finite].abs().max()) if finite.any() else 0.0
-    worst = float((got[finite].float() - want[finite].float()).abs().max()) if finite.any() else 0.0
-    if not worst <= step * max(scale, 1.0):
-        return f"the span kernel's logits differ from GLiNER2's by up to {worst:.3g} (logits up to {scale:.3g})"
+    # (rows, words, queries, each row's words): one query tile, then two (more than 64 queries)
+    for rows, words, num_q, lengths in ((3, 37, 21, [37, 16, 1]), (2, 9, 70, [9, 5])):
+        h = torch.randn(rows, words, hidden, generator=gen).to(device, dtype)
+        queries = torch.randn(rows, num_q, hidden, generator=gen).to(device, dtype)
+        lengths = torch.tensor(lengths, device=device)
+        want = layer.score_queries(h, queries, lengths, mask_invalid=True)
+        try:
+            got = fused_span_scores(layer, h, queries, lengths)
+        except Exception as exc:
+            return f"the span kernel failed: {type(exc).__name__}: {exc}"
+        finite = torch.isfinite(want)
+        if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
+            return "the span kernel's masked spans differ from GLiNER2's"
+        step = max(2 * torch.finfo(dtype).eps, 1e-5)  # two steps of the dtype (float32: summation order)
+        scale = float(want[finite].abs().max()) if finite.any() else 0.0
+        worst = float((got[finite].float() - want[finite].float()).abs().max()) if finite.any() else 0.0
+        if not worst <= step * max(scale, 1.0):
+            return f"the span kernel's logits differ from GLiNER2's by up to {worst:.3g} (logits up to {scale:.3g})"
     return ""

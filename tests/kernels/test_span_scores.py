@@ -153,6 +153,14 @@ def test_load_time_check_passes_and_catches_a_wrong_kernel(device, dtype, monkey
     monkeypatch.setattr(kernels, "span_scores", lambda *a: kernel(*a).nan_to_num(neginf=0.0))
     assert "masked spans differ" in check_span_kernel(model)
 
+    def second_tile_wrong(*a):  # right for up to 64 queries: the check's second shape has 70
+        out = kernel(*a)
+        out[:, 64:] *= 1.5
+        return out
+
+    monkeypatch.setattr(kernels, "span_scores", second_tile_wrong)
+    assert "differ from GLiNER2's by up to" in check_span_kernel(model)
+
     def broken(*a):
         raise RuntimeError("out of resources")
 
