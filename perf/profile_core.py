@@ -92,8 +92,12 @@ def main(argv=None) -> int:
     def set_span_kernel(on: bool) -> None:
         engine.heads.span_kernel = on
 
+    def set_count_gate(on: bool) -> None:
+        engine.heads.count_gate = on
+
     # each A/B interleaved on the same engine (the same run's comparison), then back to the default
     ab_lines = [interleaved_ab("chunk_pipeline", engine, items, sync, args.repeats, set_pipeline, True)]
+    ab_lines.append(interleaved_ab("count_gate", engine, items, sync, args.repeats, set_count_gate, True))
     span_kernel = engine.heads.span_kernel
     if engine.config.backend == "triton":
         ab_lines.append(

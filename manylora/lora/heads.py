@@ -87,6 +87,9 @@ class HeadLoras:
         # the dense span scores through kernels/spanscores.py instead of GLiNER2's score_queries
         # (the engine's fused_span_scores parameter; a GPU with the triton backend)
         self.span_kernel = False
+        # entity-only chunks: the count gates the hits on the GPU instead of a wait for it in the
+        # heads (span_logits_dense); False waits as for other tasks (perf/profile_core.py's A/B)
+        self.count_gate = True
         for prefix in HEAD_MODULES:
             root = getattr(model, prefix, None)
             if root is None:
@@ -240,7 +243,7 @@ class HeadLoras:
         with self._set(("count_pred",), rows=[slots[r] for r, _, _ in records]):
             count_out = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1)
         counted, counted_records = [], []  # the tasks with queries, and each one's index in records
-        if all(batch.task_types[row][task] == "entities" for row, task, _ in records):
+        if self.count_gate and all(batch.task_types[row][task] == "entities" for row, task, _ in records):
             # entity tasks only: GLiNER2 scores instance 0 of a task with a count above 0, and the
             # count embedding's step 0 does not depend on the count. So the count is not waited
             # for here (a sync in the middle of each chunk's heads): every task with fields gets

@@ -170,9 +170,15 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     try:
         with torch.inference_mode():
             dense, listed = _rows(engine, prepared, False), _rows(engine, prepared, True)
+            engine.heads.count_gate = False  # the A/B's other arm: the wait for the count head
+            waited = _rows(engine, prepared, False)
     finally:
         engine.model.count_pred = count_pred
-    assert plans and all("counts" in p for p in plans), "the entity-only chunks took the gated path"
+        engine.heads.count_gate = True
+    gated_plans = len(plans) - sum("counts" not in p for p in plans)
+    assert gated_plans and gated_plans < len(plans), "the entity-only chunks took the gated path, then not"
+    for index in range(len(requests)):  # the other arm gives the same rows
+        assert np.array_equal(dense[index].to_arrays()["hits"], waited[index].to_arrays()["hits"]), index
     zero = gated_rows = hits = probabilities = 0
     for index in range(len(requests)):
         a, b = dense[index].to_arrays(), listed[index].to_arrays()
