@@ -107,3 +107,23 @@ def test_with_cuda_graphs_big_chunks_are_cut_at_full_row_buckets(tiny_engine, mo
     chunks = tiny_engine._budget_chunks(rows)
     assert [len(c) for c in chunks] == [160, 160, 160, 120]
     assert sorted(p.index for c in chunks for p in c) == list(range(600))
+
+
+def test_graph_buffers_hold_every_graph_shape():
+    """padded_bound sizes the graphs' output and tile buffers: no shape graph_shape returns, for
+    any rows and padded length the engine forms, holds more tokens; at the default cap it is the cap."""
+    from manylora.graphs import MAX_GRAPH_TOKENS, ROW_BUCKETS, graph_shape, padded_bound
+
+    assert padded_bound(MAX_GRAPH_TOKENS) == MAX_GRAPH_TOKENS
+    for cap in (4096, MAX_GRAPH_TOKENS, 32768, 65536, 131072):
+        for max_length in (256, 512):
+            bound = padded_bound(cap, max_length)
+            largest = 0
+            for rows in range(1, ROW_BUCKETS[-1] + 1):
+                for length in range(16, max_length + 1, 16):
+                    shape = graph_shape(rows, length, cap, max_length)
+                    if shape is not None:
+                        assert shape[0] >= rows and shape[1] >= length
+                        largest = max(largest, shape[0] * shape[1])
+            assert largest <= bound, (cap, max_length, largest, bound)
+            assert largest == bound or cap <= MAX_GRAPH_TOKENS, "the bound is tight above the default cap"
