@@ -20,6 +20,7 @@ that request's adapter) for the same text, schema and options; tests check that 
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import time
@@ -33,6 +34,7 @@ from manylora.config import EngineConfig
 from manylora.decode import batch_to_device, encode_padded
 from manylora.encoder import Encoder
 from manylora.errors import INTERNAL, INVALID_ARG, NOT_FOUND, UNAVAILABLE, RequestError
+from manylora.graphs import ROW_BUCKETS
 from manylora.kernels import SgmvMetaBuilder
 from manylora.lora.adapter import AdapterError
 from manylora.lora.batch import LoraBatch
@@ -356,32 +358,33 @@ class Engine:
             bounds.append((i, j))
             j = i
         chunks = []
-        for i, j in reversed(bounds):
-            for size in self._pieces(j - i, padded[j - 1])[1]:
-                chunks.append(items[i : i + size])
-                i += size
+        for i, j in reversed(bounds):  # pieces of `size` rows and the rest
+            size = self._pieces(j - i, padded[j - 1])[1]
+            chunks.extend(items[k : min(k + size, j)] for k in range(i, j, size))
         return chunks
 
-    def _pieces(self, rows: int, length: int) -> tuple[int, list[int]]:
-        """How ``rows`` rows of padded ``length`` are cut to fit the token budget: (cost, the
-        chunks' row counts). Equal pieces of as many rows as fit; with CUDA graphs also full
-        rows buckets and the rest, when that is as many pieces and fewer padded tokens (a graph
-        pads its rows up to a bucket)."""
+    def _pieces(self, rows: int, length: int) -> tuple[int, int]:
+        """How ``rows`` rows of padded ``length`` are cut to fit the token budget: (cost, piece
+        size), in pieces of that many rows and the rest. Equal pieces of as many rows as fit;
+        with CUDA graphs also full rows buckets, when that is as many pieces and fewer padded
+        tokens (a graph pads its rows up to a bucket). Called for every pair of cut points, in the
+        GPU thread: arithmetic per plan, no list per piece."""
         fit = max(1, self.config.max_batch_tokens // length)
         count = -(-rows // fit)
-        size = -(-rows // count)
-        plans = [[size] * (rows // size) + ([rows % size] if rows % size else [])]
+        sizes = [-(-rows // count)]
         if self.graphs is not None and count > 1:
-            from manylora.graphs import ROW_BUCKETS
-
-            bucket = max((b for b in ROW_BUCKETS if b <= fit), default=0)
+            bucket = ROW_BUCKETS[bisect.bisect_right(ROW_BUCKETS, fit) - 1] if fit >= ROW_BUCKETS[0] else 0
             if bucket and -(-rows // bucket) == count:
-                plans.append([bucket] * (rows // bucket) + ([rows % bucket] if rows % bucket else []))
+                sizes.append(bucket)
 
         def tokens(r: int) -> int:
             return r * length if self.graphs is None else self.graphs.padded_tokens(r, length)
 
-        return min((sum(map(tokens, sizes)) + len(sizes) * CHUNK_COST_TOKENS, sizes) for sizes in plans)
+        def cost(size: int) -> int:
+            full, rest = divmod(rows, size)
+            return full * tokens(size) + (tokens(rest) if rest else 0) + (full + bool(rest)) * CHUNK_COST_TOKENS
+
+        return min((cost(size), size) for size in sizes)
 
     # ------------------------------------------------------------------ core
     def forward(self, chunk: list[Prepared]):
