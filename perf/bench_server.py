@@ -31,6 +31,10 @@ Designs (--design, several run one after the other, each with its own server):
             and host step in turn (the A/B of the chunk pipeline, in the same run)
   pipeline-fused-spans  the same with gliner2_core's fused_span_scores on: span scores by
             kernels/spanscores.py instead of GLiNER2's span head (the A/B of the kernel)
+  pipeline-big-graphs  the same with gliner2_core's cuda_graph_max_tokens 65536: CUDA graphs for
+            the big chunks of saturation too (captured on first use), so fewer launches from the
+            GPU stage's one Python process (the A/B of the cap)
+  pipeline-big-graphs-fused  both of the last two
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -70,12 +74,24 @@ ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 FRONT, CORE = "gliner2", "gliner2_core"
 # core_overlap / cuda_graphs / chunk_pipeline off, fused_span_scores on
-DESIGNS = ("pipeline", "pipeline-serial", "pipeline-eager", "pipeline-unpiped", "pipeline-fused-spans", "single")
+DESIGNS = (
+    "pipeline",
+    "pipeline-serial",
+    "pipeline-eager",
+    "pipeline-unpiped",
+    "pipeline-fused-spans",
+    "pipeline-big-graphs",
+    "pipeline-big-graphs-fused",
+    "single",
+)
+BIG_GRAPHS = {"cuda_graph_max_tokens": "65536"}
 CORE_OVERRIDES = {
     "pipeline-serial": {"core_overlap": "off"},
     "pipeline-eager": {"cuda_graphs": "off"},
     "pipeline-unpiped": {"chunk_pipeline": "off"},
     "pipeline-fused-spans": {"fused_span_scores": "on"},
+    "pipeline-big-graphs": BIG_GRAPHS,
+    "pipeline-big-graphs-fused": {**BIG_GRAPHS, "fused_span_scores": "on"},
 }
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
@@ -277,9 +293,14 @@ def design_of(summary: Mapping) -> str:
     from manylora.config import EngineConfig
 
     parameters = summary.get(CORE, {}).get("parameters", {})
-    for design, overrides in CORE_OVERRIDES.items():  # an absent key has the engine's default
-        default = {k: "on" if getattr(EngineConfig, k) else "off" for k in overrides}
-        if all(parameters.get(k, default[k]).strip() == v for k, v in overrides.items()):
+
+    def default(key: str) -> str:  # an absent key has the engine's default
+        value = getattr(EngineConfig, key)
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+    # the design with the most overrides that all hold (pipeline-big-graphs-fused before its parts)
+    for design, overrides in sorted(CORE_OVERRIDES.items(), key=lambda item: -len(item[1])):
+        if all(parameters.get(k, default(k)).strip() == v for k, v in overrides.items()):
             return design
     return "pipeline"
 

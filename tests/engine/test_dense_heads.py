@@ -27,6 +27,30 @@ def engine(tiny_checkpoint, demo_adapters):
     return Engine(EngineConfig.from_parameters(params, device=DEVICE))
 
 
+# On a GPU (bfloat16) two layouts of the same heads may round differently: another batch of
+# rows in a GEMM, or another count of GRU steps before the count embedding's projector. Hits
+# then agree except where a score lies within this much of the threshold (measured on the H200:
+# the count gate's arms, 1 step against the tasks' counts, changed two hits at threshold 0.2).
+# On the CPU (float32) the rows must be equal.
+GPU_SCORE_TOL = 0.02
+
+
+def _assert_same_hits(a: dict, b: dict, threshold: float, where) -> None:
+    """Rows ``a`` and ``b`` (``CompactRow.to_arrays``) have the same hits and scores; on a GPU,
+    up to ``GPU_SCORE_TOL``, and a hit that only one of them has scores within it of the threshold."""
+    if DEVICE == "cpu":
+        assert np.array_equal(a["hits"], b["hits"]), where
+        assert np.allclose(a["scores"], b["scores"], rtol=1e-5, atol=1e-8), where
+        return
+    ours = dict(zip(map(tuple, a["hits"].tolist()), a["scores"].tolist()))
+    theirs = dict(zip(map(tuple, b["hits"].tolist()), b["scores"].tolist()))
+    for hit in ours.keys() ^ theirs.keys():
+        score = ours.get(hit, theirs.get(hit))
+        assert score < threshold + GPU_SCORE_TOL, (where, hit, score)
+    for hit in ours.keys() & theirs.keys():
+        assert abs(ours[hit] - theirs[hit]) <= GPU_SCORE_TOL, (where, hit, ours[hit], theirs[hit])
+
+
 def _rows(engine, prepared, list_heads: bool):
     engine.list_heads = list_heads
     try:
@@ -131,8 +155,10 @@ def test_fused_span_scores_is_checked_at_load(tiny_checkpoint, monkeypatch):
 def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monkeypatch, zeros):
     """A chunk of entity tasks only (classification tasks beside them) does not wait for the
     count head in its heads: each task's count gates its hits on the GPU and reaches the host
-    with them. Its rows equal the list path's field for field, with counts of 0 forced for about
-    half the prompts (chosen by their own features) or for all, and head-LoRA adapters."""
+    with them. Its rows equal the list path's field for field (hits on a GPU: see
+    ``_assert_same_hits``), with counts of 0 forced for about
+    half the prompts (chosen by their own features; 2 for the others) or for all, and head-LoRA
+    adapters."""
     import manylora.engine as engine_module
 
     schemas = [s for s in demo_schemas() if set(s) == {"entities"}]
@@ -153,10 +179,17 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     count_pred = engine.model.count_pred
 
     class CountsSomeZero(torch.nn.Module):
+        """Counts of 0 for the chosen prompts and of 2 for the others, all by a clear margin: the
+        paths run the count head on differently stacked rows, and in bfloat16 on a GPU a
+        near-tie of the head's own logits could pick another count in each."""
+
         def forward(self, x):
             out = count_pred(x).clone()
-            chosen = (x.float()[:, :8].sum(dim=1) * 1e4).long() % 2 == 0 if zeros == "half" else slice(None)
+            chosen = (x.float()[:, :8].sum(dim=1) * 1e4).long() % 2 == 0
+            if zeros == "all":
+                chosen[:] = True
             out[chosen, 0] = out.max() + 1.0
+            out[~chosen, 2] = out.max() + 1.0
             return out
 
     plans = []
@@ -178,12 +211,13 @@ def test_entity_only_chunks_gate_their_hits_by_count(engine, demo_adapters, monk
     gated_plans = len(plans) - sum("counts" not in p for p in plans)
     assert gated_plans and gated_plans < len(plans), "the entity-only chunks took the gated path, then not"
     for index in range(len(requests)):  # the other arm gives the same rows
-        assert np.array_equal(dense[index].to_arrays()["hits"], waited[index].to_arrays()["hits"]), index
+        _assert_same_hits(dense[index].to_arrays(), waited[index].to_arrays(), 0.2, (index, "waited"))
     zero = gated_rows = hits = probabilities = 0
     for index in range(len(requests)):
         a, b = dense[index].to_arrays(), listed[index].to_arrays()
-        for key in a:
-            if key in ("scores", "cls_probs", "hit_logits"):
+        _assert_same_hits(a, b, 0.2, (index, "listed"))
+        for key in a.keys() - {"hits", "scores"}:
+            if key in ("cls_probs", "hit_logits"):
                 assert np.allclose(a[key], b[key], rtol=1e-5, atol=1e-8, equal_nan=True), (index, key)
             else:
                 assert np.array_equal(a[key], b[key]), (index, key)

@@ -614,3 +614,16 @@ def test_bench_repository_pipeline_fused_spans_turns_the_span_kernel_on(tmp_path
     committed = bench_server.bench_repository(tmp_path / "off", engine_params, bench_server.Layout(design="pipeline"))
     assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_span_scores is False
     assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "off is the default"
+
+
+@pytest.mark.parametrize("design", ["pipeline-big-graphs", "pipeline-big-graphs-fused"])
+def test_bench_repository_big_graphs_raise_the_graph_cap(tmp_path, engine_params, design):
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design=design))
+    config = _engine_config(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
+    assert config.cuda_graph_max_tokens == 65536 and config.cuda_graphs is True
+    assert config.fused_span_scores is (design == "pipeline-big-graphs-fused")
+    # the combined design is told from its parts; the committed cap reads as the plain pipeline
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == design
+    committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).cuda_graph_max_tokens == 16384
+    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline"
