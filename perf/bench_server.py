@@ -29,12 +29,10 @@ Designs (--design, several run one after the other, each with its own server):
             from Python (the A/B of the CUDA graphs, in the same run)
   pipeline-unpiped  the same with gliner2_core's chunk_pipeline off: each chunk's forward, heads
             and host step in turn (the A/B of the chunk pipeline, in the same run)
-  pipeline-fused-spans  the same with gliner2_core's fused_span_scores on: span scores by
-            kernels/spanscores.py instead of GLiNER2's span head (the A/B of the kernel)
-  pipeline-big-graphs  the same with gliner2_core's cuda_graph_max_tokens 65536: CUDA graphs for
-            the big chunks of saturation too (captured on first use), so fewer launches from the
-            GPU stage's one Python process (the A/B of the cap)
-  pipeline-big-graphs-fused  both of the last two
+  pipeline-unfused  the same with gliner2_core's fused_span_scores off: GLiNER2's own span head
+            instead of kernels/spanscores.py (the A/B of the kernel, on by default since session 12)
+  pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
+            before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -73,25 +71,22 @@ from bench_engine import ENTITY_SCHEMA, pick_adapters  # same request distributi
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 FRONT, CORE = "gliner2", "gliner2_core"
-# core_overlap / cuda_graphs / chunk_pipeline off, fused_span_scores on
+# core_overlap / cuda_graphs / chunk_pipeline / fused_span_scores off, the graph cap of before session 12
 DESIGNS = (
     "pipeline",
     "pipeline-serial",
     "pipeline-eager",
     "pipeline-unpiped",
-    "pipeline-fused-spans",
-    "pipeline-big-graphs",
-    "pipeline-big-graphs-fused",
+    "pipeline-unfused",
+    "pipeline-small-graphs",
     "single",
 )
-BIG_GRAPHS = {"cuda_graph_max_tokens": "65536"}
 CORE_OVERRIDES = {
     "pipeline-serial": {"core_overlap": "off"},
     "pipeline-eager": {"cuda_graphs": "off"},
     "pipeline-unpiped": {"chunk_pipeline": "off"},
-    "pipeline-fused-spans": {"fused_span_scores": "on"},
-    "pipeline-big-graphs": BIG_GRAPHS,
-    "pipeline-big-graphs-fused": {**BIG_GRAPHS, "fused_span_scores": "on"},
+    "pipeline-unfused": {"fused_span_scores": "off"},
+    "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
 }
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
@@ -298,7 +293,7 @@ def design_of(summary: Mapping) -> str:
         value = getattr(EngineConfig, key)
         return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
-    # the design with the most overrides that all hold (pipeline-big-graphs-fused before its parts)
+    # the design with the most overrides that all hold (a combined design before its parts)
     for design, overrides in sorted(CORE_OVERRIDES.items(), key=lambda item: -len(item[1])):
         if all(parameters.get(k, default(k)).strip() == v for k, v in overrides.items()):
             return design

@@ -27,6 +27,8 @@ from bench_engine import ENTITY_SCHEMA, pick_adapters  # noqa: E402  (same reque
 
 
 def main(argv=None) -> int:
+    from manylora.config import EngineConfig
+
     p = argparse.ArgumentParser()
     p.add_argument("--checkpoint", type=Path, required=True)
     p.add_argument("--adapters", type=Path)
@@ -34,13 +36,17 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on", help="gliner2_core's cuda_graphs")
-    p.add_argument("--graph-max-tokens", type=int, default=16384, help="gliner2_core's cuda_graph_max_tokens")
+    p.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=EngineConfig.cuda_graph_max_tokens,
+        help="gliner2_core's cuda_graph_max_tokens",
+    )
     p.add_argument("--warmup-rows", type=int, default=16, help="gliner2_core's cuda_graph_warmup_rows")
     p.add_argument("--out", type=Path, default=Path("perf/results/profile-core"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from manylora.config import EngineConfig
     from manylora.demo import demo_texts
     from manylora.engine import Engine, Request, freeze_long_lived
 

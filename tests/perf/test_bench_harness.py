@@ -604,26 +604,25 @@ def test_bench_repository_pipeline_unpiped_turns_the_chunk_pipeline_off(tmp_path
     assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-unpiped"
 
 
-def test_bench_repository_pipeline_fused_spans_turns_the_span_kernel_on(tmp_path, engine_params):
-    layout = bench_server.Layout(design="pipeline-fused-spans")
+def test_bench_repository_pipeline_unfused_turns_the_span_kernel_off(tmp_path, engine_params):
+    layout = bench_server.Layout(design="pipeline-unfused")
     repo = bench_server.bench_repository(tmp_path / "repo", engine_params, layout)
     core = _parse_config(repo / "gliner2_core" / "config.pbtxt")
-    assert _params(core) == {**engine_params, "fused_span_scores": "on"}
-    assert _engine_config(core).fused_span_scores is True and _engine_config(core).chunk_pipeline is True
-    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-fused-spans"
-    committed = bench_server.bench_repository(tmp_path / "off", engine_params, bench_server.Layout(design="pipeline"))
-    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_span_scores is False
-    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "off is the default"
+    assert _params(core) == {**engine_params, "fused_span_scores": "off"}
+    assert _engine_config(core).fused_span_scores is False and _engine_config(core).chunk_pipeline is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-unfused"
+    committed = bench_server.bench_repository(tmp_path / "on", engine_params, bench_server.Layout(design="pipeline"))
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_span_scores is True
+    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "on is the default"
 
 
-@pytest.mark.parametrize("design", ["pipeline-big-graphs", "pipeline-big-graphs-fused"])
-def test_bench_repository_big_graphs_raise_the_graph_cap(tmp_path, engine_params, design):
-    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design=design))
+def test_bench_repository_pipeline_small_graphs_lowers_the_graph_cap(tmp_path, engine_params):
+    repo = bench_server.bench_repository(
+        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-small-graphs")
+    )
     config = _engine_config(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
-    assert config.cuda_graph_max_tokens == 65536 and config.cuda_graphs is True
-    assert config.fused_span_scores is (design == "pipeline-big-graphs-fused")
-    # the combined design is told from its parts; the committed cap reads as the plain pipeline
-    assert bench_server.design_of(bench_server.repository_summary(repo)) == design
+    assert config.cuda_graph_max_tokens == 16384 and config.cuda_graphs is True and config.fused_span_scores is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-small-graphs"
     committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
-    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).cuda_graph_max_tokens == 16384
-    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline"
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).cuda_graph_max_tokens == 65536
+    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "65536 is the default"
