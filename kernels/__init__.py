@@ -1,7 +1,8 @@
 """SGMV LoRA kernels (imported as manylora.kernels): every token gets its own adapter's update;
 DeBERTa's relative-position attention bias in one pass (relpos.py); its position scores
-with every row's LoRA on the position projection (posscores.py); and GLiNER2's span scores
-without the span tensor (spanscores.py).
+with every row's LoRA on the position projection (posscores.py); the whole disentangled
+attention without the bias tensor (disattn.py); and GLiNER2's span scores without the span
+tensor (spanscores.py).
 
 Per LoRA layer, with tokens grouped by adapter and `meta` built once per forward:
 
@@ -22,6 +23,7 @@ import torch
 from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_sgmv_meta
 from .reference import (
     TOLERANCES,
+    disentangled_attention_ref,
     position_scores_eager,
     position_scores_ref,
     relpos_bias_ref,
@@ -41,6 +43,9 @@ __all__ = [
     "SgmvTiles",
     "build_sgmv_meta",
     "default_backend",
+    "disentangled_attention",
+    "disentangled_attention_ref",
+    "disentangled_attention_supported",
     "expand",
     "lora_apply",
     "position_scores",
@@ -148,6 +153,34 @@ def relpos_bias(
     from .relpos import relpos_bias as kernel
 
     return kernel(c2p, p2c, rel_index, key_bias, scale, out_dtype)
+
+
+def disentangled_attention_supported(head_size: int) -> bool:
+    """Whether disattn.py takes this head size (a power of two, 16 to 128)."""
+    return 16 <= head_size <= 128 and head_size & (head_size - 1) == 0
+
+
+def disentangled_attention(
+    q: torch.Tensor,  # [B*L, h*d]
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c2p: torch.Tensor | None,  # [B, h, L, W]
+    p2c: torch.Tensor | None,
+    rel_index: torch.Tensor,  # int32 [2L - 1]
+    key_bias: torch.Tensor,  # [B, L] additive
+    kv_len: torch.Tensor,  # int32 [B]: 1 + each row's last real token
+    scale: float,
+    batch: int,
+    length: int,
+    heads: int,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + bias)·v per (row, head), bias as relpos_bias gives it, [B*L, h*d];
+    query positions at or past kv_len are padding (0 or the attention's value). Triton only
+    (CUDA, or the CPU interpreter). See disattn.py; disentangled_attention_ref is the float32
+    reference."""
+    from .disattn import disentangled_attention as kernel
+
+    return kernel(q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, batch, length, heads)
 
 
 def position_scores_supported(head_size: int) -> bool:

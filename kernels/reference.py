@@ -114,6 +114,34 @@ def relpos_bias_ref(
     return (acc * scale + key_bias.float().view(batch, 1, 1, length)).to(out_dtype)
 
 
+def disentangled_attention_ref(
+    q: torch.Tensor,  # [B*L, h*d]
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c2p: torch.Tensor | None,  # [B, h, L, W]
+    p2c: torch.Tensor | None,
+    rel_index: torch.Tensor,  # int [2L - 1]
+    key_bias: torch.Tensor,  # [B, L]
+    scale: float,
+    batch: int,
+    length: int,
+    heads: int,
+) -> torch.Tensor:
+    """DeBERTa's attention in float32 (see disattn.py): softmax(q·kᵀ·scale + bias)·v with
+    relpos_bias_ref's bias, [B*L, h*d]."""
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(batch, length, heads, -1).transpose(1, 2)
+
+    if c2p is None and p2c is None:
+        bias = key_bias.float().view(batch, 1, 1, length)
+    else:
+        bias = relpos_bias_ref(c2p, p2c, rel_index, key_bias, scale, torch.float32)
+    scores = split(q) @ split(k).transpose(-1, -2) * scale + bias
+    out = torch.softmax(scores, dim=-1) @ split(v)
+    return out.transpose(1, 2).reshape(batch * length, -1)
+
+
 def position_scores_ref(
     x: torch.Tensor,  # [B*L, H]
     table: torch.Tensor,  # [W, H]
