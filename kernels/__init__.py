@@ -47,6 +47,7 @@ __all__ = [
     "disentangled_attention_ref",
     "disentangled_attention_supported",
     "expand",
+    "key_lengths",
     "lora_apply",
     "position_scores",
     "position_scores_eager",
@@ -153,6 +154,13 @@ def relpos_bias(
     from .relpos import relpos_bias as kernel
 
     return kernel(c2p, p2c, rel_index, key_bias, scale, out_dtype)
+
+
+def key_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
+    """int32 [B]: 1 + the position of each row's last real token (0 for a row without one), the
+    key range of disentangled_attention."""
+    positions = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device, dtype=torch.int32)
+    return (attention_mask.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
 
 
 def disentangled_attention_supported(head_size: int) -> bool:

@@ -125,12 +125,6 @@ def _disentangled_attention_kernel(
     tl.store(out_ptr + tokens_m * (heads * HEAD_DIM) + column, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-def key_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
-    """int32 [B]: 1 + the position of each row's last real token (0 for a row without one)."""
-    positions = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device, dtype=torch.int32)
-    return (attention_mask.to(torch.int32) * positions).amax(dim=1).to(torch.int32)
-
-
 def disentangled_attention(
     q: torch.Tensor,  # [B*L, h*d], unit stride inside a row
     k: torch.Tensor,

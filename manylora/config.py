@@ -151,6 +151,8 @@ class EngineConfig:
     # H200, same call, with the 65536 graph cap: base 4,271 -> 5,025 req/s, 1,024 adapters 3,341 ->
     # 3,719; in process the same rows (0 of 1,024 differ)
     fused_span_scores: bool = True
+    # GPU stage: DeBERTa's attention by kernels/disattn.py (triton backend only); off until measured on a GPU
+    fused_attention: bool = False
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     device: str = "cpu"
 
@@ -229,6 +231,14 @@ class EngineConfig:
             "GPU stage with the triton backend: 'on' scores spans with one kernel that never builds GLiNER2's "
             "[rows, words, max_width, 4 x hidden] span tensor (default; checked against GLiNER2's head at load); "
             "'off' runs GLiNER2's own span head",
+        ),
+        "fused_attention": (
+            _on_off,
+            False,
+            "GPU stage with the triton backend: 'on' runs DeBERTa's disentangled attention in one kernel "
+            "(kernels/disattn.py: no [rows, heads, L, L] bias tensor, padding keys skipped; checked against "
+            "the eager attention at load); 'off' (default, until measured on a GPU) writes the bias and runs "
+            "scaled_dot_product_attention",
         ),
         "adapter_load_timeout": (
             _seconds,

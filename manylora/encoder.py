@@ -249,6 +249,7 @@ class EncoderLayer(nn.Module):
         rel_index: torch.Tensor,  # int32 [2L - 1], see _relative_index
         lora: Optional["LoraBatch"],
         backend: str,
+        kv_len: Optional[torch.Tensor] = None,  # int32 [B]: set, the attention runs in kernels/disattn.py
     ) -> torch.Tensor:
         g = self.geometry
         batch, length, hidden = x.shape
@@ -260,7 +261,7 @@ class EncoderLayer(nn.Module):
 
         q_flat = self.query(flat, lora)
         k_flat = self.key(flat, lora)
-        v = split(self.value(flat, lora))
+        v_flat = self.value(flat, lora)
 
         scale_factor = 1 + int(g.c2p) + int(g.p2c)
         inv_scale = 1.0 / math.sqrt(dh * scale_factor)
@@ -271,12 +272,19 @@ class EncoderLayer(nn.Module):
         if g.p2c:  # keys against the table through query_proj (and each row's query_proj LoRA)
             factors = None if lora is None else lora.position_factors(self.query.name, window)
             p2c = _position_scores(k_flat, pos_q, factors, batch, length, heads, backend)
-        if c2p is None and p2c is None:
-            bias = key_bias.view(batch, 1, 1, length).to(x.dtype)
+        if kv_len is not None:  # one kernel, no [B, h, L, L] bias; ctx already [B*L, H]
+            ctx = kernels.disentangled_attention(
+                q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, kv_len, inv_scale, batch, length, heads
+            )
         else:
-            bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, inv_scale, x.dtype, backend)
-        ctx = F.scaled_dot_product_attention(split(q_flat), split(k_flat), v, attn_mask=bias, scale=inv_scale)
-        ctx = ctx.transpose(1, 2).reshape(batch * length, hidden)
+            if c2p is None and p2c is None:
+                bias = key_bias.view(batch, 1, 1, length).to(x.dtype)
+            else:
+                bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, inv_scale, x.dtype, backend)
+            ctx = F.scaled_dot_product_attention(
+                split(q_flat), split(k_flat), split(v_flat), attn_mask=bias, scale=inv_scale
+            )
+            ctx = ctx.transpose(1, 2).reshape(batch * length, hidden)
 
         attn = F.layer_norm(self.attn_out(ctx, lora) + flat, (hidden,), *self.attn_norm, g.layer_norm_eps)
         inter = self.act(self.ffn_in(attn, lora))
@@ -322,6 +330,8 @@ class Encoder(nn.Module):
         self.register_buffer("pos_k", torch.stack(pos_k).detach().clone(), persistent=False)
         # attention-bias backend ("triton" / "torch"); None: triton on CUDA, torch elsewhere
         self.backend: Optional[str] = None
+        # the whole attention in kernels/disattn.py (the engine's fused_attention; triton backend)
+        self.fused_attention = False
         # LoRA update written before the base GEMM when every row has an adapter (LoraBatch.writes_first)
         self.lora_write_first = True
         # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
@@ -353,11 +363,63 @@ class Encoder(nn.Module):
         window = self.rel_table[lo : hi + 1]
         key_bias = (1.0 - attention_mask.to(torch.float32)) * torch.finfo(dtype).min  # [B, L]
         backend = self.backend or kernels.default_backend(input_ids.device)
+        kv_len = None  # 1 + each row's last real token: the fused attention's key range
+        if self.fused_attention and backend == "triton" and kernels.disentangled_attention_supported(g.head_size):
+            kv_len = kernels.key_lengths(attention_mask)
         if lora is not None:  # every layer's position factors at once
             lora.prepare_positions(self.position_modules, window)
         with _attention_backends(input_ids.device):
             for i, layer in enumerate(self.layers):
                 pos_q = self.pos_q[i, lo : hi + 1]
                 pos_k = self.pos_k[i, lo : hi + 1]
-                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend)
+                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend, kv_len)
         return x
+
+
+@torch.no_grad()
+def check_fused_attention(geometry: EncoderGeometry, device: torch.device, dtype: torch.dtype, seed: int = 0) -> str:
+    """kernels/disattn.py against the eager attention (relpos.py's bias, then
+    scaled_dot_product_attention) on a few random rows of this geometry, on ``device`` and
+    ``dtype``, real query positions only: the load-time check of ``fused_attention``. Returns ""
+    when they agree within the kernels' tolerances for the dtype, else what went wrong."""
+    heads, head_size = geometry.num_heads, geometry.head_size
+    if not kernels.disentangled_attention_supported(head_size):
+        return f"head size {head_size} is not a power of two from 16 to 128"
+    gen = torch.Generator().manual_seed(seed)
+    batch, length, width = 3, 70, 64
+    lengths = torch.tensor([70, 1, 41])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    hidden = heads * head_size
+    q, k, v = (randn(batch * length, hidden) for _ in range(3))
+    c2p = randn(heads, batch, length, width).transpose(0, 1) if geometry.c2p else None
+    p2c = randn(heads, batch, length, width).transpose(0, 1) if geometry.p2c else None
+    rel_index = torch.clamp(torch.arange(-(length - 1), length) // 2 + width // 2, 0, width - 1)
+    rel_index = rel_index.to(device=device, dtype=torch.int32)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(device)
+    key_bias = (1.0 - mask.float()) * torch.finfo(dtype).min
+    scale = 1.0 / math.sqrt(head_size * (1 + int(geometry.c2p) + int(geometry.p2c)))
+    try:
+        got = kernels.disentangled_attention(
+            q, k, v, c2p, p2c, rel_index, key_bias, kernels.key_lengths(mask), scale, batch, length, heads
+        )
+    except Exception as exc:
+        return f"the attention kernel failed: {type(exc).__name__}: {exc}"
+    if c2p is None and p2c is None:
+        bias = key_bias.view(batch, 1, 1, length).to(dtype)
+    else:
+        bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, scale, dtype, "triton")
+
+    def split(t):
+        return t.view(batch, length, heads, head_size).transpose(1, 2)
+
+    want = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=bias, scale=scale)
+    want = want.transpose(1, 2).reshape(batch * length, hidden)
+    real = mask.reshape(-1)
+    atol, rtol = kernels.TOLERANCES[dtype]
+    if not torch.allclose(got[real].float(), want[real].float(), atol=atol, rtol=rtol):
+        worst = (got[real].float() - want[real].float()).abs().max().item()
+        return f"the attention kernel's output differs from the eager attention's by up to {worst:.3g}"
+    return ""

@@ -32,7 +32,7 @@ import torch
 from manylora.client.protocol import Request  # the wire contract's validated request
 from manylora.config import EngineConfig
 from manylora.decode import batch_to_device, encode_padded
-from manylora.encoder import Encoder
+from manylora.encoder import Encoder, check_fused_attention
 from manylora.errors import INTERNAL, INVALID_ARG, NOT_FOUND, UNAVAILABLE, RequestError
 from manylora.graphs import ROW_BUCKETS
 from manylora.kernels import SgmvMetaBuilder
@@ -147,6 +147,7 @@ class Engine:
             self.memory = self._check_static_memory(weights, shapes)
         self.encoder = encoder.to(device=self.device, dtype=self.dtype).eval()
         self.encoder.backend = config.backend
+        self.encoder.fused_attention = config.fused_attention and config.backend == "triton"
         self.model = model.to(device=self.device, dtype=self.dtype)
         if self.heads.span_kernel:  # an opt-in kernel: on a GPU it has not met, refuse rather than misanswer
             problem = check_span_kernel(self.model)
@@ -154,6 +155,12 @@ class Engine:
                 from manylora.config import ConfigError
 
                 raise ConfigError(f"parameter 'fused_span_scores': {problem} on {self.device}; set it 'off'")
+        if self.encoder.fused_attention:  # the same for the attention kernel
+            problem = check_fused_attention(self.encoder.geometry, self.device, self.dtype)
+            if problem:
+                from manylora.config import ConfigError
+
+                raise ConfigError(f"parameter 'fused_attention': {problem} on {self.device}; set it 'off'")
         self.processor = model.processor
         self.pre = Preprocessor(model, config.max_request_tokens)
         self.records = self.pre.records

@@ -206,14 +206,17 @@ class EncoderGraphs:
         self._lock = threading.Lock()
 
     def key(self, rows: int, length: int, targets, max_rank: Optional[int]) -> Optional[tuple]:
-        """(rows bucket, length bucket, LoRA targets or None, rank tile); None: no graph for this shape."""
+        """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention); None: no
+        graph for this shape. The encoder's ``fused_attention`` is in the key, so that turning it
+        on or off (an A/B on one engine) replays graphs of its own attention."""
         shape = graph_shape(rows, length, self.max_tokens, self.max_length)
         if shape is None:
             return None
         bucket, padded = shape
+        fused = bool(self.encoder.fused_attention)
         if not targets:
-            return (bucket, padded, None, 0)
-        return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank))
+            return (bucket, padded, None, 0, fused)
+        return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank), fused)
 
     def padded_tokens(self, rows: int, length: int) -> int:
         """Tokens the encoder computes for ``rows`` x ``length``: a graph's padded shape, else that."""
@@ -292,7 +295,7 @@ class EncoderGraphs:
         return flat
 
     def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
-        rows, length, targets, rank_tile = key
+        rows, length, targets, rank_tile, _ = key
         started = time.perf_counter()
         lora = None
         if targets is not None:

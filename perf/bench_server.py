@@ -31,6 +31,8 @@ Designs (--design, several run one after the other, each with its own server):
             and host step in turn (the A/B of the chunk pipeline, in the same run)
   pipeline-unfused  the same with gliner2_core's fused_span_scores off: GLiNER2's own span head
             instead of kernels/spanscores.py (the A/B of the kernel, on by default since session 12)
+  pipeline-fused-attention  the same with gliner2_core's fused_attention on: DeBERTa's attention
+            in one kernel (kernels/disattn.py) instead of the bias tensor and SDPA (the A/B of the kernel)
   pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
             before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
@@ -78,6 +80,7 @@ DESIGNS = (
     "pipeline-eager",
     "pipeline-unpiped",
     "pipeline-unfused",
+    "pipeline-fused-attention",
     "pipeline-small-graphs",
     "single",
 )
@@ -86,6 +89,7 @@ CORE_OVERRIDES = {
     "pipeline-eager": {"cuda_graphs": "off"},
     "pipeline-unpiped": {"chunk_pipeline": "off"},
     "pipeline-unfused": {"fused_span_scores": "off"},
+    "pipeline-fused-attention": {"fused_attention": "on"},
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
 }
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)

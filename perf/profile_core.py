@@ -114,6 +114,16 @@ def main(argv=None) -> int:
         set_span_kernel(False)
         ab_lines.append("fused_span_scores on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
         set_span_kernel(span_kernel)
+
+        def set_attention(on: bool) -> None:  # its own graphs (the flag is in their key)
+            engine.encoder.fused_attention = on
+
+        attention = engine.encoder.fused_attention
+        set_attention(True)  # the kernel's first run (its compile and graph captures) is not timed
+        fused = engine.run_core(items)
+        set_attention(False)
+        ab_lines.append("fused_attention on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
+        ab_lines.append(interleaved_ab("fused_attention", engine, items, sync, args.repeats, set_attention, attention))
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)

@@ -2,7 +2,7 @@
 # The GPU stage's CUDA graphs on a GPU host, in one go: the GPU tests that cover them, then
 # perf/profile_core.py with cuda_graphs on and off (one row and 1,024 rows; base and 1,024
 # rank-16 adapters), the A/B in one run, each profile with its interleaved chunk_pipeline,
-# count_gate and fused_span_scores A/Bs. Prints one line per profile; full tables under $OUT.
+# count_gate, fused_span_scores and fused_attention A/Bs. Prints one line per profile; full tables under $OUT.
 #     OUT=perf/results/graphs bash perf/run_graphs_check.sh
 set -u
 M=${M:-/tmp/manylora-models}
@@ -15,7 +15,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 if [ "${TESTS:-1}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/engine/test_cuda_graphs.py tests/engine/test_gpu_memory.py \
         tests/engine/test_dense_heads.py tests/lora/test_lora_fidelity.py tests/kernels/test_span_scores.py \
-        tests/kernels/test_launch_config.py} >"$OUT/pytest.txt" 2>&1
+        tests/kernels/test_launch_config.py tests/kernels/test_disentangled_attention.py tests/engine/test_fused_attention.py} >"$OUT/pytest.txt" 2>&1
     tail -3 "$OUT/pytest.txt"
 fi
 for rows in ${ROWS:-1 1024}; do
@@ -26,7 +26,7 @@ for rows in ${ROWS:-1 1024}; do
             [ "$adapters" = 0 ] || extra=(--adapters "$M/bench-adapters" --adapters-in-flight "$adapters")
             python3 perf/profile_core.py --checkpoint "$M/demo-base" "${extra[@]}" --rows "$rows" \
                 --cuda-graphs "$graphs" ${PROFILE_ARGS:-} --out "$OUT/$name" >"$OUT/$name.txt" 2>&1
-            echo "$name: $(grep -h -E '^device|^GPU kernel|^chunk_pipeline|^count_gate|^fused_span_scores' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
+            echo "$name: $(grep -h -E '^device|^GPU kernel|^chunk_pipeline|^count_gate|^fused_span_scores|^fused_attention' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
         done
     done
 done

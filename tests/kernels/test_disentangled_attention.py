@@ -6,8 +6,8 @@ dtypes: on real query positions, with padded rows and keys, and rows without any
 import pytest
 import torch
 import torch.nn.functional as F
-from manylora.kernels import TOLERANCES, disentangled_attention_ref
-from manylora.kernels.disattn import disentangled_attention, key_lengths
+from manylora.kernels import TOLERANCES, disentangled_attention_ref, key_lengths
+from manylora.kernels.disattn import disentangled_attention
 from manylora.kernels.relpos import relpos_bias
 
 

@@ -626,3 +626,14 @@ def test_bench_repository_pipeline_small_graphs_lowers_the_graph_cap(tmp_path, e
     committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
     assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).cuda_graph_max_tokens == 65536
     assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "65536 is the default"
+
+
+def test_bench_repository_pipeline_fused_attention_turns_the_attention_kernel_on(tmp_path, engine_params):
+    repo = bench_server.bench_repository(
+        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-fused-attention")
+    )
+    config = _engine_config(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
+    assert config.fused_attention is True and config.fused_span_scores is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-fused-attention"
+    committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_attention is False
