@@ -4,6 +4,7 @@
 # rank-16 adapters), the A/B in one run, each profile with its interleaved chunk_pipeline,
 # count_gate, fused_span_scores and fused_attention A/Bs. Prints one line per profile; full tables under $OUT.
 #     OUT=perf/results/graphs bash perf/run_graphs_check.sh
+# PACK=1 leaves one file, $OUT.tgz, instead of the folder (a device call returns at most 8 files).
 set -u
 M=${M:-/tmp/manylora-models}
 OUT=${OUT:-perf/results/graphs}
@@ -30,3 +31,6 @@ for rows in ${ROWS:-1 1024}; do
         done
     done
 done
+if [ "${PACK:-0}" = 1 ]; then
+    tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
+fi
