@@ -65,8 +65,8 @@ def _disentangled_attention_kernel(
     PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32)
     DOT_IN_FP32: tl.constexpr,  # the CPU interpreter: its dot is only right in fp32
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # rows x heads on axis 0: axis 1 stops at 65,535 (relpos.py's comment)
+    pid_m = tl.program_id(1)
     b = bh // heads
     h = bh % heads
     kv_len = tl.load(len_ptr + b)
@@ -111,8 +111,11 @@ def _disentangled_attention_kernel(
             bias = bias.to(dtype).to(tl.float32)
         s = tl.where(valid_n[None, :], s + bias, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # a row whose keys so far all have a bias of -inf (float16's finfo.min plus a negative
+        # position term rounds to -inf): exp(-inf - -inf) would be NaN; 0 keeps its sums at 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + tokens_n * stride_v + column, mask=valid_n[:, None], other=0.0)
         if DOT_IN_FP32:  # p rounded to the serving dtype all the same
@@ -155,7 +158,7 @@ def disentangled_attention(
     out = torch.empty(batch * length, hidden, dtype=q.dtype, device=q.device)
     ref = c2p if c2p is not None else (p2c if p2c is not None else q.new_zeros(batch, heads, length, 1))
     c, p = (c2p if c2p is not None else ref), (p2c if p2c is not None else ref)
-    grid = (triton.cdiv(length, block_m), batch * heads)
+    grid = (batch * heads, triton.cdiv(length, block_m))
     _disentangled_attention_kernel[grid](
         q,
         k,

@@ -68,3 +68,29 @@ def test_fused_attention_is_checked_at_load(tiny_checkpoint, demo_adapters, monk
     monkeypatch.setattr(kernels, "disentangled_attention", lambda *a: kernel(*a) + 1.0)
     with pytest.raises(ConfigError, match="parameter 'fused_attention': the attention kernel's output differs"):
         _engine(tiny_checkpoint, root, fused_attention="on")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and bfloat16 need a CUDA device")
+def test_fused_attention_replays_in_cuda_graphs_in_bfloat16(tiny_checkpoint, demo_adapters):
+    """The serving setting: bfloat16 and CUDA graphs. Base rows of varied lengths (padded rows
+    and keys) through a graph of the fused attention (its flag in the key) give the eager
+    encoder's hidden states on every real token, within bfloat16's tolerance."""
+    root = next(iter(demo_adapters.values())).parent
+    engine = _engine(tiny_checkpoint, root, fused_attention="on", dtype="bfloat16", cuda_graphs="on")
+    graphs = engine.graphs
+    gen = torch.Generator().manual_seed(5)
+    rows, length = 5, 48
+    ids = torch.randint(5, 100, (rows, length), generator=gen).to(DEVICE)
+    mask = (torch.arange(length)[None, :] < torch.tensor([48, 30, 1, 17, 47])[:, None]).long().to(DEVICE)
+    before = dict(graphs.stats)
+    with torch.inference_mode():
+        replayed = graphs.run(ids, mask, [-1] * rows, None, None).clone()
+        again = graphs.run(ids, mask, [-1] * rows, None, None).clone()
+        engine.encoder.fused_attention = False
+        eager = engine.encoder(ids, mask)
+    assert any(key[4] for key in graphs.graphs), "a graph of the fused attention"
+    assert graphs.stats["replays"] >= before["replays"] + 2
+    real = mask.bool()
+    atol, rtol = kernels.TOLERANCES[torch.bfloat16]
+    torch.testing.assert_close(replayed[real].float(), eager[real].float(), atol=atol, rtol=rtol)
+    assert torch.equal(replayed, again)

@@ -101,3 +101,25 @@ def test_matches_the_eager_path_in_the_serving_dtype(device, dtype):
     torch.testing.assert_close(
         _real(got, lengths, length).float(), _real(eager, lengths, length).float(), atol=atol, rtol=rtol
     )
+
+
+def test_padding_query_tiles_are_zero_and_a_masked_first_tile_stays_finite(device):
+    """Query tiles that start past a row's last real token are written as 0 (the row's real
+    positions still match the reference). In float16 a key bias of finfo.min plus a negative
+    position term rounds to -inf: a first key tile masked entirely (a mask that is not a
+    prefix) must not turn the row's sums into NaN."""
+    dtype = torch.float16
+    lengths = [130, 60]
+    q, k, v, c2p, p2c, rel_index, mask, key_bias = _case(2, 1, 130, 16, 64, dtype, device, lengths, seed=13)
+    c2p, p2c = c2p * 0 - 400, p2c * 0 - 400  # a position term far below 0: -inf biases in float16
+    mask[0, :64] = 0  # the first row's first key tile: masked keys only
+    key_bias = (1.0 - mask.float()) * torch.finfo(dtype).min
+    scale = 0.25
+    got = disentangled_attention(q, k, v, c2p, p2c, rel_index, key_bias, key_lengths(mask), scale, 2, 130, 1)
+    want = disentangled_attention_ref(q, k, v, c2p, p2c, rel_index, key_bias, scale, 2, 130, 1)
+    assert bool(torch.isfinite(got.float()).all())
+    second = got[130:].float()
+    assert bool((second[64:] == 0).all()), "tiles from position 64 on start past the second row's 60 tokens"
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(second[:60], want[130:190], atol=atol, rtol=rtol)
+    torch.testing.assert_close(got[:130].float(), want[:130], atol=atol, rtol=rtol)
