@@ -167,6 +167,9 @@ class Engine:
         self.post = PostDecoder.from_model(model)
         # (distinct adapters, waves) per dynamic batch, drained by the metrics publisher
         self.batch_stats: deque[tuple[int, int]] = deque(maxlen=4096)
+        # (rows, seconds, each job's seconds in the queue) per GPU-stage call of the overlapped
+        # gliner2_core (serving.CoreModelHandler), drained by the metrics publisher
+        self.call_stats: deque[tuple[int, float, list]] = deque(maxlen=4096)
         self.store = AdapterStore(
             config.adapter_dir,
             shapes,

@@ -11,6 +11,12 @@ instance keeps its own adapter cache). Families:
     manylora_adapter_load_seconds{stage}           histogram: disk_to_host, host_to_gpu
     manylora_batch_adapters                        histogram: distinct adapters per dynamic batch
     manylora_batch_waves                           histogram: GPU-slot waves per dynamic batch
+    manylora_core_call_rows                        histogram: rows per GPU-stage engine call (merged batches)
+    manylora_core_call_seconds                     histogram: wall time of such a call, first forward to answers
+    manylora_core_queue_seconds                    histogram: a GPU-stage request's wait before its call starts
+
+The last three are the overlapped GPU stage's (``core_overlap: on``): where a request's time
+goes between Triton's queue and its answer.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 ADAPTER_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 WAVE_BUCKETS = [1, 2, 3, 4, 8, 16, 32]
+ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+CALL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 TIERS, EVENTS = ("host", "gpu"), ("hit", "miss", "evict")
 
 
@@ -31,6 +39,11 @@ class AdapterMetrics:
         loads = family("manylora_adapter_load_seconds", "Adapter load latency per stage", family.HISTOGRAM)
         batch_adapters = family("manylora_batch_adapters", "Distinct adapters per dynamic batch", family.HISTOGRAM)
         batch_waves = family("manylora_batch_waves", "GPU-slot waves per dynamic batch", family.HISTOGRAM)
+        call_rows = family("manylora_core_call_rows", "Rows per GPU-stage engine call", family.HISTOGRAM)
+        call_seconds = family("manylora_core_call_seconds", "Wall time of a GPU-stage engine call", family.HISTOGRAM)
+        queue_seconds = family(
+            "manylora_core_queue_seconds", "A GPU-stage request's wait before its engine call", family.HISTOGRAM
+        )
         self.cache = {(e, t): cache.Metric(labels={**labels, "tier": t, "event": e}) for e in EVENTS for t in TIERS}
         self.resident = {t: resident.Metric(labels={**labels, "tier": t}) for t in TIERS}
         self.loading = loading.Metric(labels=dict(labels))
@@ -41,14 +54,29 @@ class AdapterMetrics:
         }
         self.batch_adapters = batch_adapters.Metric(labels=dict(labels), buckets=ADAPTER_BUCKETS)
         self.batch_waves = batch_waves.Metric(labels=dict(labels), buckets=WAVE_BUCKETS)
+        self.call_rows = call_rows.Metric(labels=dict(labels), buckets=ROW_BUCKETS)
+        self.call_seconds = call_seconds.Metric(labels=dict(labels), buckets=CALL_BUCKETS)
+        self.queue_seconds = queue_seconds.Metric(labels=dict(labels), buckets=CALL_BUCKETS)
         self._published: dict = {}
         # families must outlive their metrics: assigned last, so they are also released last
-        self._families = (cache, resident, loading, host_bytes, loads, batch_adapters, batch_waves)
+        self._families = (
+            cache,
+            resident,
+            loading,
+            host_bytes,
+            loads,
+            batch_adapters,
+            batch_waves,
+            call_rows,
+            call_seconds,
+            queue_seconds,
+        )
 
     def close(self) -> None:
         """Release the metrics, then their families (Triton's required order)."""
         self.cache = self.resident = self.loading = self.host_bytes = None
         self.loads = self.batch_adapters = self.batch_waves = None
+        self.call_rows = self.call_seconds = self.queue_seconds = None
         self._families = None
 
     def publish(self, engine) -> None:
@@ -70,3 +98,10 @@ class AdapterMetrics:
             adapters, waves = engine.batch_stats.popleft()
             self.batch_adapters.observe(adapters)
             self.batch_waves.observe(waves)
+        calls = getattr(engine, "call_stats", ())
+        while calls:
+            rows, seconds, waits = calls.popleft()
+            self.call_rows.observe(rows)
+            self.call_seconds.observe(seconds)
+            for wait in waits:
+                self.queue_seconds.observe(wait)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -441,7 +442,7 @@ class CoreModelHandler(TritonModelHandler):
                 job = self._parse(requests)
                 return self._responses(job, self._run_job(job))
         job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
-        self._jobs.put(([request.get_response_sender() for request in requests], job))
+        self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
 
     def _parse(self, requests: list) -> tuple[list, list]:
@@ -541,8 +542,12 @@ class CoreModelHandler(TritonModelHandler):
     def _begin_jobs(self, jobs: list, before: Optional[Callable[[], None]]) -> Callable[[], None]:
         """Queue the merged call of ``jobs``; ``before`` (the last call's delivery) runs once its
         first forward is queued. Returns this call's delivery: it finishes the call and queues
-        each job's answers for the answer thread. Neither raises: a failure answers its rows."""
-        merged_items = [item for _, (_, items) in jobs for item in items]
+        each job's answers for the answer thread. Neither raises: a failure answers its rows.
+        Each call's rows, wall time and its jobs' waits in the queue go to the engine's
+        ``call_stats`` (the metrics manylora_core_call_rows / _call_seconds / _queue_seconds)."""
+        started = time.monotonic()
+        waits = [started - queued for _, _, queued in jobs]
+        merged_items = [item for _, (_, items), _ in jobs for item in items]
         rows = [item for item in merged_items if not isinstance(item, RequestError)]
         before = _once(before)
         try:
@@ -556,13 +561,15 @@ class CoreModelHandler(TritonModelHandler):
 
         def deliver() -> None:
             try:
-                answers = self._item_answers(merged_items, finish())
+                results = finish()
+                self.engine.call_stats.append((len(rows), time.monotonic() - started, waits))
+                answers = self._item_answers(merged_items, results)
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("the GPU thread failed on a merged batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
                 answers = [error] * len(merged_items)
             offset = 0
-            for senders, job in jobs:
+            for senders, job, _ in jobs:
                 n = len(job[1])
                 self._answers.put((senders, job, answers[offset : offset + n]))
                 offset += n

@@ -6,6 +6,7 @@ NOT_FOUND for an unknown adapter); execute answers every request and never raise
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import numpy as np
@@ -393,13 +394,19 @@ def test_gpu_thread_delivers_the_last_call_once_the_next_forward_is_queued(tiny_
     real_forward, real_begin = engine.forward, engine.compact_begin
     monkeypatch.setattr(engine, "forward", lambda chunk: events.append(f"A{len(chunk)}") or real_forward(chunk))
     monkeypatch.setattr(engine, "compact_begin", lambda c, *a: events.append(f"B{len(c)}") or real_begin(c, *a))
-    first = core._begin_jobs([(["sender-1"], calls[0][2])], None)
+    queued = time.monotonic()
+    first = core._begin_jobs([(["sender-1"], calls[0][2], queued)], None)
     assert core._answers.empty(), "not delivered before the next call (or an empty queue) asks"
-    second = core._begin_jobs([(["sender-2"], calls[1][2])], first)
+    second = core._begin_jobs([(["sender-2"], calls[1][2], queued)], first)
     assert events == ["A1", "B1", "A2", "deliver", "B2"], events
     first()  # a second call runs nothing
     second()
     delivered = [core._answers.get_nowait() for _ in range(2)]
+    # each call's rows, wall time and its job's wait reach the metrics (manylora_core_call_*)
+    stats = list(engine.call_stats)
+    assert [rows for rows, _, _ in stats] == [1, 2], stats
+    assert all(seconds > 0 and len(waits) == 1 and waits[0] >= 0 for _, seconds, waits in stats)
+    assert stats[1][2][0] >= stats[0][2][0], "the second call started later: its job waited longer"
     assert core._answers.empty() and [d[0] for d in delivered] == [["sender-1"], ["sender-2"]]
     for (texts, prepared, _), (_, job, answers) in zip(calls, delivered):
         response = core._responses(job, answers)[0]

@@ -288,6 +288,10 @@ def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters)
     assert value("manylora_adapters_resident", 'tier="gpu"') == 4
     assert value("manylora_adapter_load_seconds_count", 'stage="disk_to_host"') >= 6
     assert value("manylora_batch_waves_count") >= 1
+    # the overlapped GPU stage's calls: rows, wall time, and each request's wait before its call
+    assert value("manylora_core_call_rows_count") >= 1 and value("manylora_core_call_rows_sum") >= 6
+    assert value("manylora_core_call_seconds_count") == value("manylora_core_call_rows_count")
+    assert value("manylora_core_queue_seconds_count") >= value("manylora_core_call_rows_count")
 
 
 def test_locustfile_drives_grpc_and_http_users(server, demo_adapters, tmp_path):
