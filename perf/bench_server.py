@@ -492,6 +492,50 @@ def batch_stats(before: Mapping, after: Mapping) -> dict:
     return out
 
 
+CALL_METRICS = ("manylora_core_call_rows", "manylora_core_call_seconds", "manylora_core_queue_seconds")
+
+
+def call_metrics(metrics_url: Optional[str]) -> dict[str, float]:
+    """The GPU stage's call histograms' _sum and _count on the Prometheus endpoint, summed over
+    instances ({} without a URL or when it cannot be read: the phase still reports)."""
+    if not metrics_url:
+        return {}
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except Exception:
+        return {}
+    return parse_call_metrics(text)
+
+
+def parse_call_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in CALL_METRICS:
+            out[name] = out.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
+    return out
+
+
+def call_stats(before: Mapping, after: Mapping) -> dict:
+    """Deltas of call_metrics over a phase: the GPU thread's mean rows per engine call, its mean
+    call time, and a GPU-stage request's mean wait before its call (ms)."""
+
+    def mean(name: str, scale: float = 1.0) -> Optional[float]:
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        return round(total / count * scale, 2) if count > 0 else None
+
+    if not after:
+        return {}
+    return {
+        "core_call_rows": mean("manylora_core_call_rows"),
+        "core_call_ms": mean("manylora_core_call_seconds", 1e3),
+        "core_queue_ms": mean("manylora_core_queue_seconds", 1e3),
+    }
+
+
 class Proc(NamedTuple):
     ppid: int
     args: tuple[str, ...]
@@ -831,8 +875,19 @@ def estimate_s(args, n_modes: int, n_light: int) -> float:
 class Bench:
     """One design's measurements against one server: each phase writes a row."""
 
-    def __init__(self, args, url: str, design: str, common: dict, cpu: CpuMeter, gpu: GpuSampler, t_start: float):
+    def __init__(
+        self,
+        args,
+        url: str,
+        design: str,
+        common: dict,
+        cpu: CpuMeter,
+        gpu: GpuSampler,
+        t_start: float,
+        metrics_url: Optional[str] = None,
+    ):
         self.args, self.url, self.design, self.common = args, url, design, common
+        self.metrics_url = metrics_url  # the GPU stage's call histograms (manylora_core_call_*)
         self.cpu, self.gpu, self.t_start = cpu, gpu, t_start
         self.rows: list[dict] = []
         self.failures = 0
@@ -871,6 +926,7 @@ class Bench:
         if self.out_of_time(a.max_trials * a.interval_ms / 1e3 + PHASE_OVERHEAD_S, tag):
             return None
         rate = kw.get("rate")
+        calls0 = call_metrics(self.metrics_url)
         before, snap0, t0 = model_counts(self.url), self.cpu.snapshot(), time.monotonic()
         try:
             result = run_perf_analyzer(
@@ -891,7 +947,7 @@ class Bench:
             return None
         t1, snap1, after = time.monotonic(), self.cpu.snapshot(), model_counts(self.url)
         stdout = result.pop("_stdout")
-        counts = batch_stats(before, after)
+        counts = {**batch_stats(before, after), **call_stats(calls0, call_metrics(self.metrics_url))}
         row = {
             "design": self.design,
             "mode": mode,
@@ -921,7 +977,9 @@ class Bench:
         print(
             f"{tag:>34s}: {row['req_per_s']:8.1f} req/s  p50 {row['p50_ms']:7.1f}  p95 {row['p95_ms']:7.1f}"
             f"  p99 {row['p99_ms']:7.1f} ms  batch {row['mean_batch']}/{row.get('core_rows_per_execute', '-')}"
-            f"  GPU {row.get('gpu_busy_pct')}%  CPU ms/req {cpu.get(FRONT)}/{cpu.get(CORE)}",
+            f"  GPU {row.get('gpu_busy_pct')}%  CPU ms/req {cpu.get(FRONT)}/{cpu.get(CORE)}"
+            f"  core call {row.get('core_call_rows')} rows {row.get('core_call_ms')} ms"
+            f" queue {row.get('core_queue_ms')} ms",
             flush=True,
         )
         return row
@@ -952,6 +1010,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="ManyLoRA server benchmark (tritonserver + perf_analyzer)")
     p.add_argument("--url", help="measure a running server (gRPC host:port) instead of starting one")
     p.add_argument("--server-pid", type=int, help="with --url: the local tritonserver's pid (CPU per stage)")
+    p.add_argument("--metrics-url", help="with --url: its /metrics address (the GPU stage's call histograms)")
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--adapters", type=Path)
     p.add_argument("--adapters-in-flight", type=int, default=0, help="use the first N adapters (0 = all)")
@@ -1104,10 +1163,10 @@ def main(argv=None) -> int:
                         continue
                     start_s = round(time.monotonic() - t0, 1)
                     print(f"server ready in {start_s} s", flush=True)
-                    url, pid = server.grpc_url, server.process.pid
+                    url, pid, metrics_url = server.grpc_url, server.process.pid, server.metrics_url
                     knobs = asdict(layout)
                 else:
-                    summary, start_s, pid = server_summary(url), None, args.server_pid
+                    summary, start_s, pid, metrics_url = server_summary(url), None, args.server_pid, args.metrics_url
                     design = design_of(summary)
                     knobs = {"design": design}
                 common = {
@@ -1120,7 +1179,7 @@ def main(argv=None) -> int:
                 }
                 if design == "single":
                     common["instances"] = summary.get(FRONT, {}).get("instance_group", [{}])[0].get("count")
-                bench = Bench(args, url, design, common, CpuMeter(pid), gpu, t_start)
+                bench = Bench(args, url, design, common, CpuMeter(pid), gpu, t_start, metrics_url)
                 try:
                     bench.run(datasets, light)
                 finally:

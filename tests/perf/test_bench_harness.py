@@ -520,6 +520,7 @@ def _fake_server(monkeypatch, fails=()):
     class FakeServer:
         def __init__(self, repo, log_file=None):
             self.repo, self.grpc_url, self.process = Path(repo), "h:1", type("P", (), {"pid": 999999})()
+            self.metrics_url = None  # no call histograms: the phases report without them
             self.log = Path(log_file)
 
         def start(self, timeout):
@@ -637,3 +638,36 @@ def test_bench_repository_pipeline_fused_attention_turns_the_attention_kernel_on
     assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-fused-attention"
     committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
     assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_attention is False
+
+
+def test_call_stats_are_means_of_the_phase_from_both_instances():
+    """The GPU stage's call histograms, read from Prometheus text before and after a phase:
+    mean rows per call, call ms and queue ms of that phase alone, summed over instances."""
+
+    def text(rows, seconds, waits, calls, jobs):
+        lines = ["# HELP manylora_core_call_rows Rows per GPU-stage engine call"]
+        for instance in ("0", "1"):
+            labels = f'{{model="gliner2_core",instance="{instance}"}}'
+            lines += [
+                f'manylora_core_call_rows_bucket{{model="gliner2_core",instance="{instance}",le="64"}} {calls}',
+                f"manylora_core_call_rows_sum{labels} {rows}",
+                f"manylora_core_call_rows_count{labels} {calls}",
+                f"manylora_core_call_seconds_sum{labels} {seconds}",
+                f"manylora_core_call_seconds_count{labels} {calls}",
+                f"manylora_core_queue_seconds_sum{labels} {waits}",
+                f"manylora_core_queue_seconds_count{labels} {jobs}",
+                f'manylora_batch_waves_sum{{model="gliner2_core",instance="{instance}"}} 99',
+            ]
+        return "\n".join(lines)
+
+    before = bench_server.parse_call_metrics(text(100, 1.0, 0.5, 10, 20))
+    after = bench_server.parse_call_metrics(text(400, 2.5, 1.7, 20, 50))
+    assert before["manylora_core_call_rows_sum"] == 200 and "manylora_batch_waves_sum" not in before
+    # per instance: 300 rows / 10 calls, 1.5 s / 10 calls, 1.2 s / 30 jobs
+    assert bench_server.call_stats(before, after) == {
+        "core_call_rows": 30.0,
+        "core_call_ms": 150.0,
+        "core_queue_ms": 40.0,
+    }
+    assert bench_server.call_stats(before, before)["core_call_rows"] is None  # no call in the phase
+    assert bench_server.call_stats({}, {}) == {} and bench_server.call_metrics(None) == {}
