@@ -138,6 +138,7 @@ class EngineConfig:
     control_dir: str = "auto"
     cpu_threads: int = 0  # 0 = auto
     core_model: str = ""  # "" = this instance runs pre, GPU stage and post itself
+    front_inflight: int = 1  # a front instance's batches in the GPU stage at once (1: execute() waits for it)
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
@@ -194,6 +195,14 @@ class EngineConfig:
             False,
             "folder where the manylora_control model meets this model's instances: 'auto' (one per "
             "tritonserver, under the temp folder), 'none' (no adapter control) or a path",
+        ),
+        "front_inflight": (
+            _positive_int,
+            False,
+            "pipeline front (gliner2 with core_model): batches one instance may have in the GPU stage at once. "
+            "1 (default): execute() calls the GPU stage and waits for it; N > 1: execute() prepares its batch, "
+            "hands the call and the decoding to one of N threads and takes the next batch (answers go through "
+            "the requests' response senders; with N in flight, execute() waits for one to finish)",
         ),
         "core_model": (
             _model_name,

@@ -144,6 +144,7 @@ class TritonModelHandler:
     (``_execute_front``). Without it, this instance runs every stage itself (``_execute``)."""
 
     core_model = ""  # class default: tests build handlers without __init__ (the single design)
+    _inflight = None  # front_inflight > 1: (thread pool, semaphore) of the batches in the GPU stage
 
     def __init__(self, args: dict, pb_utils):
         from manylora.config import EngineConfig
@@ -172,6 +173,8 @@ class TritonModelHandler:
             for name, _ in list(model.named_children()):
                 setattr(model, name, None)
             logger.info("front of %s: pre and post here, the GPU stage in model %s", config.checkpoint, self.core_model)
+            if config.front_inflight > 1:
+                self.start_inflight(config.front_inflight)
         else:
             self._load_engine(config, args, model_config, device)
         freeze_long_lived()  # this process keeps its engine for life: no full-collection pauses mid-batch
@@ -243,7 +246,11 @@ class TritonModelHandler:
         """One response per request, in order; never raises (an exception here would fail
         every request of the dynamic batch with Triton's generic INTERNAL error)."""
         with self.profiler:
-            return self._execute_front(requests) if self.core_model else self._execute(requests)
+            if not self.core_model:
+                return self._execute(requests)
+            if self._inflight is not None:
+                return self._execute_front_inflight(requests)
+            return self._execute_front(requests)
 
     def _execute(self, requests: list) -> list:
         decoded = self._decode_all(requests)
@@ -282,6 +289,53 @@ class TritonModelHandler:
         or with a decoupled GPU stage and ``exec(decoupled=True)``, front stubs turned
         "not healthy" under load (the Python backend's decoupled-BLS deadlock and async_exec
         use-after-free, fixed upstream in python_backend #439, 2026)."""
+        return self._front_finish(*self._front_prepare(requests))
+
+    def start_inflight(self, batches: int) -> None:
+        """front_inflight > 1: up to ``batches`` batches of this instance in the GPU stage at once."""
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=batches, thread_name_prefix="manylora-front")
+        self._inflight = (pool, threading.BoundedSemaphore(batches))
+
+    def _execute_front_inflight(self, requests: list):
+        """front_inflight > 1: pre here, then the GPU stage's call and post on a pool thread,
+        which answers each request through its response sender (exactly one final response, as
+        the Python backend's default mode allows since 24.06); returns None. Waits only while
+        ``front_inflight`` batches are in the GPU stage."""
+        senders = [request.get_response_sender() for request in requests]
+        job = self._front_prepare(requests)
+        pool, slots = self._inflight
+        slots.acquire()
+        try:
+            pool.submit(self._finish_and_send, senders, job, slots)
+        except Exception:  # the pool is shut down (unloading): answer here
+            slots.release()
+            self._finish_and_send(senders, job, None)
+        return None
+
+    def _finish_and_send(self, senders: list, job: tuple, slots) -> None:
+        try:
+            try:
+                responses = self._front_finish(*job)
+            except Exception as exc:  # never leave a request unanswered
+                logger.exception("the front failed on a batch")
+                error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
+                responses = [self._error(error) for _ in senders]
+            final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            for sender, response in zip(senders, responses):
+                try:
+                    sender.send(response, flags=final)
+                except Exception:  # the client is gone (cancelled): nothing else to answer
+                    logger.exception("sending a response failed")
+        finally:
+            if slots is not None:
+                slots.release()
+
+    def _front_prepare(self, requests: list) -> tuple[list, list, list]:
+        """(results, prepared, places): per request its RequestError or a list to fill with
+        its items' answers; every row to the GPU stage; (request, item) of each row."""
         decoded = self._decode_all(requests)
         results: list = list(decoded)  # per request: its RequestError, or its items' answers
         prepared, places = [], []  # every row to the GPU stage; (request, item) of each
@@ -304,6 +358,10 @@ class TritonModelHandler:
                 results[index] = [None] * len(group)
                 prepared.extend(rows)
                 places.extend((index, item) for item in range(len(group)))
+        return results, prepared, places
+
+    def _front_finish(self, results: list, prepared: list, places: list) -> list:
+        """The GPU stage's call for the prepared rows, post, and one response per request."""
         if prepared:
             try:
                 answer = self._core_request(prepared).exec()
@@ -380,6 +438,8 @@ class TritonModelHandler:
             return RequestError(INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}")
 
     def finalize(self) -> None:
+        if self._inflight is not None:  # the batches in the GPU stage are still answered
+            self._inflight[0].shutdown(wait=True)
         self.profiler.dump()  # never raises
         if self.metrics is not None:
             self.metrics.close()

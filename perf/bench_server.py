@@ -143,6 +143,7 @@ class Layout:
     front_instances: Optional[int] = None  # pipeline: gliner2 CPU fronts
     front_max_batch: Optional[int] = None
     front_delay_us: Optional[int] = None
+    front_inflight: Optional[int] = None  # pipeline: the front's front_inflight (default: committed, 1)
     core_instances: int = 1  # pipeline: gliner2_core instances per GPU
     core_max_batch: Optional[int] = None
     core_delay_us: Optional[int] = None
@@ -209,6 +210,8 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
     if layout.design.startswith("pipeline"):
         front = {k: params[k] for k in FRONT_KEYS if k in params}
         front["core_model"] = CORE
+        if layout.front_inflight:
+            front["front_inflight"] = str(layout.front_inflight)
         _write_model(
             dst,
             FRONT,
@@ -1029,6 +1032,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--front-instances", type=int, help="pipeline: gliner2 CPU fronts (default: committed)")
     p.add_argument("--front-max-batch", type=int)
     p.add_argument("--front-delay-us", type=int)
+    p.add_argument("--front-inflight", type=int, help="pipeline: batches a front instance has in the GPU stage at once")
     p.add_argument("--core-instances", type=int, default=1, help="pipeline: gliner2_core instances per GPU")
     p.add_argument("--core-max-batch", type=int)
     p.add_argument("--core-delay-us", type=int)
@@ -1078,6 +1082,7 @@ def layout_of(args, design: str) -> Layout:
         front_instances=args.front_instances,
         front_max_batch=args.front_max_batch,
         front_delay_us=args.front_delay_us,
+        front_inflight=args.front_inflight,
         core_instances=args.core_instances,
         core_max_batch=args.core_max_batch,
         core_delay_us=args.core_delay_us,

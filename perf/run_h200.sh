@@ -18,7 +18,7 @@
 #   engine: ENGINE (0 = skip), ENGINE_MODES, IN_FLIGHT, DISTRIBUTIONS, ENGINE_BATCHES, ROUNDS,
 #     INTERLEAVE=1 (engine cases batch by batch), HOTSWAP_SECONDS, STAGE_TIMEOUT
 #   server: DESIGNS ("pipeline", "single" or "single pipeline": one server each, in order),
-#     FRONT_INSTANCES, CORE_INSTANCES, FRONT_MAX_BATCH, CORE_MAX_BATCH (pipeline), INSTANCES
+#     FRONT_INSTANCES, FRONT_INFLIGHT, CORE_INSTANCES, FRONT_MAX_BATCH, CORE_MAX_BATCH (pipeline), INSTANCES
 #     (single design's GPU instances per GPU, default 4), GPUS, CPU_THREADS, SERVER_MODES
 #     ("base lora base lora": rounds), SERVER_DISTRIBUTIONS, CONCURRENCY, OPEN_FRACTIONS,
 #     LIGHT (0 = no light load), INTERVAL_MS, SERVER_TIMEOUT (bench_server skips the phases
@@ -54,6 +54,7 @@ SERVER_TIMEOUT=${SERVER_TIMEOUT:-480}
 timeout "$SERVER_TIMEOUT" python3 perf/bench_server.py --checkpoint "$MODELS/demo-base" --adapters "$MODELS/bench-adapters" \
   --design ${DESIGNS:-pipeline} ${FRONT_INSTANCES:+--front-instances $FRONT_INSTANCES} ${CORE_INSTANCES:+--core-instances $CORE_INSTANCES} \
   ${FRONT_MAX_BATCH:+--front-max-batch $FRONT_MAX_BATCH} ${CORE_MAX_BATCH:+--core-max-batch $CORE_MAX_BATCH} \
+  ${FRONT_INFLIGHT:+--front-inflight $FRONT_INFLIGHT} \
   --instances ${INSTANCES:-4} ${GPUS:+--gpus $GPUS} --gpu-slots "$ADAPTERS" --host-slots "$ADAPTERS" --cpu-threads ${CPU_THREADS:-auto} \
   --modes ${SERVER_MODES:-base lora} --distributions ${SERVER_DISTRIBUTIONS:-uniform zipf} \
   --concurrency ${CONCURRENCY:-256 512 1024} --open-fractions ${OPEN_FRACTIONS-0.35 0.7} $([ "${LIGHT:-1}" = 0 ] || echo --light-load) \

@@ -735,3 +735,58 @@ def test_single_design_answers_a_request_of_several_items(tiny_engine, reference
     for request, answer in zip(items, got[0]):
         assert not result_differences(answer, _gliner2(reference_model, request), atol=1e-4), request
     assert got[1][0] == "NOT_FOUND" and got[1][1].startswith("item 1 (0-based) of 2: unknown adapter")
+
+
+class _SenderRequest(dict):
+    """A request (its input arrays) with a response sender that records what was sent."""
+
+    def __init__(self, arrays: dict):
+        super().__init__(arrays)
+        self.sent: list = []
+
+    def get_response_sender(self):
+        return self
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+
+def test_front_with_batches_in_flight_answers_each_request_once_as_the_waiting_front(front, monkeypatch):
+    """front_inflight > 1: execute() returns None at once for each batch; pool threads call the
+    GPU stage and answer each request exactly once, with the final flag, through its sender:
+    the same answers as the waiting front's, a malformed request's error included."""
+    import copy
+    import threading
+
+    from manylora.client import protocol
+    from manylora.client.protocol import Request
+
+    lock = threading.Lock()  # the in-process GPU stage is one engine: one call at a time, as its own process runs
+    real_exec = FakePb.InferenceRequest.exec
+
+    def exec_one_at_a_time(self):
+        with lock:
+            return real_exec(self)
+
+    monkeypatch.setattr(FakePb.InferenceRequest, "exec", exec_one_at_a_time)
+    monkeypatch.setattr(FakePb, "TRITONSERVER_RESPONSE_COMPLETE_FINAL", 1, raising=False)
+    cases = [c for c in _front_cases() if 0.0 <= c[2] <= 1.0]
+    batches = [
+        [Request(t, s, threshold=th, include_confidence=True).to_arrays() for t, s, th in cases[k::3]] for k in range(3)
+    ]
+    del batches[1][0][protocol.TEXT]  # a malformed request among good ones
+    want = [_answers(front.execute(batch)) for batch in batches]
+    assert want[1][0][0] == "INVALID_ARG" and all(not isinstance(a, tuple) for a in want[0])
+    inflight = copy.copy(front)
+    inflight.start_inflight(2)
+    sent = []
+    try:
+        for batch in batches:
+            requests = [_SenderRequest(arrays) for arrays in batch]
+            assert inflight.execute(requests) is None
+            sent.append(requests)
+    finally:
+        inflight._inflight[0].shutdown(wait=True)  # what finalize does first: every batch answered
+    for requests, expected in zip(sent, want):
+        assert all(len(r.sent) == 1 and r.sent[0][1] == 1 for r in requests), "one final response each"
+        assert _answers([r.sent[0][0] for r in requests]) == expected

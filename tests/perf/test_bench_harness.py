@@ -671,3 +671,13 @@ def test_call_stats_are_means_of_the_phase_from_both_instances():
     }
     assert bench_server.call_stats(before, before)["core_call_rows"] is None  # no call in the phase
     assert bench_server.call_stats({}, {}) == {} and bench_server.call_metrics(None) == {}
+
+
+def test_bench_repository_front_inflight_goes_to_the_front(tmp_path, engine_params):
+    layout = bench_server.Layout(design="pipeline", front_inflight=4)
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, layout)
+    front = _parse_config(repo / "gliner2" / "config.pbtxt")
+    assert _params(front)["front_inflight"] == "4" and _engine_config(front).front_inflight == 4
+    assert "front_inflight" not in _params(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
+    plain = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
+    assert "front_inflight" not in _params(_parse_config(plain / "gliner2" / "config.pbtxt")), "the committed 1"
