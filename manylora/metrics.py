@@ -12,11 +12,13 @@ instance keeps its own adapter cache). Families:
     manylora_batch_adapters                        histogram: distinct adapters per dynamic batch
     manylora_batch_waves                           histogram: GPU-slot waves per dynamic batch
     manylora_core_call_rows                        histogram: rows per GPU-stage engine call (merged batches)
-    manylora_core_call_seconds                     histogram: wall time of such a call, first forward to answers
+    manylora_core_call_seconds                     histogram: such a call's start to its answers' delivery
     manylora_core_queue_seconds                    histogram: a GPU-stage request's wait before its call starts
 
 The last three are the overlapped GPU stage's (``core_overlap: on``): where a request's time
-goes between Triton's queue and its answer.
+goes between Triton's queue and its answer. With ``chunk_pipeline`` a call's answers are
+delivered once the next call's first forward is queued (or at once when nothing waits), so a
+call's seconds include that step of the next call.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 ADAPTER_BUCKETS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 WAVE_BUCKETS = [1, 2, 3, 4, 8, 16, 32]
-ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 CALL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 TIERS, EVENTS = ("host", "gpu"), ("hit", "miss", "evict")
 

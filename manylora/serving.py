@@ -297,7 +297,7 @@ class TritonModelHandler:
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(max_workers=batches, thread_name_prefix="manylora-front")
-        self._inflight = (pool, threading.BoundedSemaphore(batches))
+        self._inflight = (pool, threading.BoundedSemaphore(batches), set())  # set: the batches in flight
 
     def _execute_front_inflight(self, requests: list):
         """front_inflight > 1: pre here, then the GPU stage's call and post on a pool thread,
@@ -306,14 +306,22 @@ class TritonModelHandler:
         ``front_inflight`` batches are in the GPU stage."""
         senders = [request.get_response_sender() for request in requests]
         job = self._front_prepare(requests)
-        pool, slots = self._inflight
+        pool, slots, running = self._inflight
         slots.acquire()
         try:
-            pool.submit(self._finish_and_send, senders, job, slots)
-        except Exception:  # the pool is shut down (unloading): answer here
+            future = pool.submit(self._finish_and_send, senders, job, slots)
+        except RuntimeError:  # the pool is shut down (unloading): answer here
             slots.release()
             self._finish_and_send(senders, job, None)
+            return None
+        running.add(future)
+        future.add_done_callback(self._batch_done)
         return None
+
+    def _batch_done(self, future) -> None:
+        self._inflight[2].discard(future)
+        if not future.cancelled() and future.exception() is not None:  # a bug: _finish_and_send answers all
+            logger.error("a front batch failed", exc_info=future.exception())
 
     def _finish_and_send(self, senders: list, job: tuple, slots) -> None:
         try:
@@ -438,8 +446,14 @@ class TritonModelHandler:
             return RequestError(INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}")
 
     def finalize(self) -> None:
-        if self._inflight is not None:  # the batches in the GPU stage are still answered
-            self._inflight[0].shutdown(wait=True)
+        if self._inflight is not None:  # the batches in the GPU stage are still answered, for up to 30 s
+            from concurrent.futures import wait
+
+            pool, _, running = self._inflight
+            pool.shutdown(wait=False)
+            _, late = wait(list(running), timeout=30)
+            if late:
+                logger.error("%d front batches still in the GPU stage at unload", len(late))
         self.profiler.dump()  # never raises
         if self.metrics is not None:
             self.metrics.close()

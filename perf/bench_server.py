@@ -515,9 +515,14 @@ def call_metrics(metrics_url: Optional[str]) -> dict[str, float]:
 def parse_call_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, rest = line.partition("{")
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
         if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in CALL_METRICS:
-            out[name] = out.get(name, 0.0) + float(rest.rsplit(" ", 1)[1])
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
     return out
 
 
@@ -530,7 +535,7 @@ def call_stats(before: Mapping, after: Mapping) -> dict:
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
         return round(total / count * scale, 2) if count > 0 else None
 
-    if not after:
+    if not before or not after:  # a read failed: no phase figure rather than one since the start
         return {}
     return {
         "core_call_rows": mean("manylora_core_call_rows"),

@@ -46,5 +46,8 @@ def test_batches_in_flight_answer_every_request_as_gliner2(server, reference_mod
         assert not isinstance(answer, InferenceServerException), answer
         got = protocol.parse_result(answer.as_numpy(protocol.RESULT))
         assert not result_differences(got, reference_answer(reference_model, request))
+    # several front batches (max_batch_size 4); that execute() hands them on before they are
+    # answered is shown in process (tests/engine/test_post.py): Triton's statistics count a
+    # request's compute until its response either way
     stats = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics("gliner2").model_stats[0]
-    assert stats.execution_count > 2, "several front batches, so that some were in flight together"
+    assert stats.execution_count >= 7

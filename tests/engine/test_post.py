@@ -761,14 +761,6 @@ def test_front_with_batches_in_flight_answers_each_request_once_as_the_waiting_f
     from manylora.client import protocol
     from manylora.client.protocol import Request
 
-    lock = threading.Lock()  # the in-process GPU stage is one engine: one call at a time, as its own process runs
-    real_exec = FakePb.InferenceRequest.exec
-
-    def exec_one_at_a_time(self):
-        with lock:
-            return real_exec(self)
-
-    monkeypatch.setattr(FakePb.InferenceRequest, "exec", exec_one_at_a_time)
     monkeypatch.setattr(FakePb, "TRITONSERVER_RESPONSE_COMPLETE_FINAL", 1, raising=False)
     cases = [c for c in _front_cases() if 0.0 <= c[2] <= 1.0]
     batches = [
@@ -777,16 +769,57 @@ def test_front_with_batches_in_flight_answers_each_request_once_as_the_waiting_f
     del batches[1][0][protocol.TEXT]  # a malformed request among good ones
     want = [_answers(front.execute(batch)) for batch in batches]
     assert want[1][0][0] == "INVALID_ARG" and all(not isinstance(a, tuple) for a in want[0])
+    lock = threading.Lock()  # the in-process GPU stage is one engine: one call at a time, as its own process runs
+    real_exec = FakePb.InferenceRequest.exec
+    handed_on = threading.Event()  # set once the first two execute() calls have returned
+
+    def exec_one_at_a_time(self):
+        # a front that waited for its GPU-stage call in execute() would never set the event:
+        # its batches would then fail (INTERNAL) and differ from the waiting front's answers
+        assert handed_on.wait(60), "execute() waited for the GPU stage"
+        with lock:
+            return real_exec(self)
+
+    monkeypatch.setattr(FakePb.InferenceRequest, "exec", exec_one_at_a_time)
     inflight = copy.copy(front)
     inflight.start_inflight(2)
     sent = []
     try:
-        for batch in batches:
+        for k, batch in enumerate(batches):
             requests = [_SenderRequest(arrays) for arrays in batch]
             assert inflight.execute(requests) is None
             sent.append(requests)
+            if k == 1:  # both slots taken, nothing answered yet: the third execute() waits for a slot
+                assert not any(r.sent for rs in sent for r in rs)
+                handed_on.set()
     finally:
-        inflight._inflight[0].shutdown(wait=True)  # what finalize does first: every batch answered
+        handed_on.set()
+        inflight._inflight[0].shutdown(wait=True)  # every batch answered
     for requests, expected in zip(sent, want):
         assert all(len(r.sent) == 1 and r.sent[0][1] == 1 for r in requests), "one final response each"
         assert _answers([r.sent[0][0] for r in requests]) == expected
+    slots = inflight._inflight[1]
+    assert all(slots.acquire(blocking=False) for _ in range(2)), "every slot is free again"
+
+
+def test_front_in_flight_answers_every_request_when_its_batch_fails(front, monkeypatch):
+    """A batch whose GPU-stage call or decoding raises (a bug) still answers each of its
+    requests once, with INTERNAL, and frees its slot; after unload a batch is answered in
+    execute() itself."""
+    import copy
+
+    from manylora.client.protocol import Request
+
+    monkeypatch.setattr(FakePb, "TRITONSERVER_RESPONSE_COMPLETE_FINAL", 1, raising=False)
+    inflight = copy.copy(front)
+    inflight.start_inflight(1)
+    monkeypatch.setattr(inflight, "_front_finish", lambda *job: 1 / 0)
+    requests = [_SenderRequest(Request(f"text {k}", '{"entities": ["x"]}').to_arrays()) for k in range(3)]
+    assert inflight.execute(requests) is None
+    inflight._inflight[0].shutdown(wait=True)
+    assert [CODE_NAMES[r.sent[0][0].error().code] for r in requests] == ["INTERNAL"] * 3
+    assert all(len(r.sent) == 1 and "ZeroDivisionError" in r.sent[0][0].error().message() for r in requests)
+    assert inflight._inflight[1].acquire(blocking=False), "the slot is free again"
+    inflight._inflight[1].release()
+    late = [_SenderRequest(Request("late", '{"entities": ["x"]}').to_arrays())]
+    assert inflight.execute(late) is None and len(late[0].sent) == 1  # the pool is shut down: answered here

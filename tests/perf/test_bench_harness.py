@@ -671,6 +671,9 @@ def test_call_stats_are_means_of_the_phase_from_both_instances():
     }
     assert bench_server.call_stats(before, before)["core_call_rows"] is None  # no call in the phase
     assert bench_server.call_stats({}, {}) == {} and bench_server.call_metrics(None) == {}
+    assert bench_server.call_stats({}, after) == {}, "a failed read before the phase: no figure"
+    unlabeled = "# TYPE x histogram\nmanylora_core_call_rows_count 5\nmanylora_core_call_rows_sum NaNx\n"
+    assert bench_server.parse_call_metrics(unlabeled) == {"manylora_core_call_rows_count": 5.0}
 
 
 def test_bench_repository_front_inflight_goes_to_the_front(tmp_path, engine_params):
