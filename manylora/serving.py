@@ -331,15 +331,19 @@ class TritonModelHandler:
                 logger.exception("the front failed on a batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
                 responses = [self._error(error) for _ in senders]
-            final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-            for sender, response in zip(senders, responses):
-                try:
-                    sender.send(response, flags=final)
-                except Exception:  # the client is gone (cancelled): nothing else to answer
-                    logger.exception("sending a response failed")
+            self._send(senders, responses)
         finally:
             if slots is not None:
                 slots.release()
+
+    def _send(self, senders: list, responses: list) -> None:
+        """Each response through its request's sender, as the one final response."""
+        final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for sender, response in zip(senders, responses):
+            try:
+                sender.send(response, flags=final)
+            except Exception:  # the client is gone (cancelled): nothing else to answer
+                logger.exception("sending a response failed")
 
     def _front_prepare(self, requests: list) -> tuple[list, list, list]:
         """(results, prepared, places): per request its RequestError or a list to fill with
@@ -562,14 +566,6 @@ class CoreModelHandler(TritonModelHandler):
                     logger.exception("packing a GPU-stage answer failed")
                     responses.append(self._error(RequestError(INTERNAL, f"packing the answer failed: {exc}")))
         return responses
-
-    def _send(self, senders: list, responses: list) -> None:
-        final = self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        for sender, response in zip(senders, responses):
-            try:
-                sender.send(response, flags=final)
-            except Exception:  # the client is gone (cancelled): nothing else to answer
-                logger.exception("sending a GPU-stage response failed")
 
     def _gpu_loop(self) -> None:
         """GPU thread: run queued jobs, merging those that wait, until finalize queues None.
