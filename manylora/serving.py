@@ -144,7 +144,7 @@ class TritonModelHandler:
     (``_execute_front``). Without it, this instance runs every stage itself (``_execute``)."""
 
     core_model = ""  # class default: tests build handlers without __init__ (the single design)
-    _inflight = None  # front_inflight > 1: (thread pool, semaphore) of the batches in the GPU stage
+    _inflight = None  # front_inflight > 1: (thread pool, semaphore, futures) of the batches in the GPU stage
 
     def __init__(self, args: dict, pb_utils):
         from manylora.config import EngineConfig
@@ -243,7 +243,8 @@ class TritonModelHandler:
         return responses
 
     def execute(self, requests: list) -> list:
-        """One response per request, in order; never raises (an exception here would fail
+        """One response per request, in order (with front_inflight > 1: None, each request
+        answered through its response sender); never raises (an exception here would fail
         every request of the dynamic batch with Triton's generic INTERNAL error)."""
         with self.profiler:
             if not self.core_model:
