@@ -142,9 +142,10 @@ def test_stop_kills_a_stub_left_frozen_in_the_servers_group(tmp_path):
     region = f"triton_python_backend_shm_region_test_{os.getpid()}"
     (Path("/dev/shm") / region).write_bytes(b"x")
     stub = tmp_path / STUB_NAME
-    stub.write_text(
+    ready = tmp_path / "stub-ignores-sigint"  # written once SIGINT is ignored: a SIGINT before it kills
+    stub.write_text(  # the stand-in stub, and stop() then finds no stub to reap (CI, session 12)
         f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "while True: time.sleep(0.1)\n"
+        f"open({str(ready)!r}, 'w').close()\nwhile True: time.sleep(0.1)\n"
     )
     stub.chmod(0o755)
     server = tmp_path / "fake-tritonserver"
@@ -158,10 +159,10 @@ def test_stop_kills_a_stub_left_frozen_in_the_servers_group(tmp_path):
     triton.process = subprocess.Popen([str(server)], start_new_session=True)
     deadline = time.monotonic() + 30
     stubs: list = []
-    while not stubs and time.monotonic() < deadline:  # the stand-in stub is running (ours: it names our region)
+    while not (stubs and ready.exists()) and time.monotonic() < deadline:  # the stand-in stub runs, SIGINT ignored
         time.sleep(0.2)
         stubs = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, region)]
-    assert stubs, "the stand-in stub started"
+    assert stubs and ready.exists(), "the stand-in stub started"
     triton.stop(timeout=10)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(_cmdline_has(p, region) for p in stubs):
