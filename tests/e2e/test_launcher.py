@@ -150,7 +150,9 @@ def test_stop_kills_a_stub_left_frozen_in_the_servers_group(tmp_path):
     stub.chmod(0o755)
     server = tmp_path / "fake-tritonserver"
     server.write_text(
-        f"#!{sys.executable}\nimport subprocess, time\n"
+        # SIGINT as Python's default even where it is inherited ignored (a job started in the
+        # background without job control): ignored, stop() would time out and SIGKILL the group
+        f"#!{sys.executable}\nimport signal, subprocess, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"subprocess.Popen([{str(stub)!r}, {region!r}])\n"
         "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass\n"
     )
