@@ -147,7 +147,9 @@ def disentangled_attention(
     """softmax(q·kᵀ·scale + bias)·v per (row, head) with relpos.py's bias, [B*L, h*d] in q's dtype."""
     hidden = q.shape[1]
     head_dim = hidden // heads
-    assert 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0 and hidden == heads * head_dim, "head size"
+    from . import disentangled_attention_supported
+
+    assert disentangled_attention_supported(head_dim) and hidden == heads * head_dim, "head size"
     for t in (q, k, v):
         assert t.shape == (batch * length, hidden) and t.stride(1) == 1
     for t in (c2p, p2c):

@@ -255,10 +255,6 @@ class EncoderLayer(nn.Module):
         batch, length, hidden = x.shape
         heads, dh = g.num_heads, g.head_size
         flat = x.reshape(batch * length, hidden)
-
-        def split(t: torch.Tensor) -> torch.Tensor:  # [B*L, H] -> [B, h, L, d] (a view)
-            return t.view(batch, length, heads, dh).transpose(1, 2)
-
         q_flat = self.query(flat, lora)
         k_flat = self.key(flat, lora)
         v_flat = self.value(flat, lora)
@@ -277,19 +273,29 @@ class EncoderLayer(nn.Module):
                 q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, kv_len, inv_scale, batch, length, heads
             )
         else:
-            if c2p is None and p2c is None:
-                bias = key_bias.view(batch, 1, 1, length).to(x.dtype)
-            else:
-                bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, inv_scale, x.dtype, backend)
-            ctx = F.scaled_dot_product_attention(
-                split(q_flat), split(k_flat), split(v_flat), attn_mask=bias, scale=inv_scale
-            )
-            ctx = ctx.transpose(1, 2).reshape(batch * length, hidden)
+            ctx = _eager_attention(q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, inv_scale, heads, backend)
 
         attn = F.layer_norm(self.attn_out(ctx, lora) + flat, (hidden,), *self.attn_norm, g.layer_norm_eps)
         inter = self.act(self.ffn_in(attn, lora))
         out = F.layer_norm(self.ffn_out(inter, lora) + attn, (hidden,), *self.ffn_norm, g.layer_norm_eps)
         return out.view(batch, length, hidden)
+
+
+def _eager_attention(q, k, v, c2p, p2c, rel_index, key_bias, scale: float, heads: int, backend: str) -> torch.Tensor:
+    """DeBERTa's attention without kernels/disattn.py: relpos.py's bias (or the key mask alone)
+    in the serving dtype, then scaled_dot_product_attention. q, k, v [B*L, H]; returns [B*L, H]."""
+    batch, length = key_bias.shape
+    hidden = q.shape[1]
+
+    def split(t: torch.Tensor) -> torch.Tensor:  # [B*L, H] -> [B, h, L, d] (a view)
+        return t.view(batch, length, heads, hidden // heads).transpose(1, 2)
+
+    if c2p is None and p2c is None:
+        bias = key_bias.view(batch, 1, 1, length).to(q.dtype)
+    else:
+        bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, scale, q.dtype, backend)
+    ctx = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=bias, scale=scale)
+    return ctx.transpose(1, 2).reshape(batch * length, hidden)
 
 
 def _clone_norm(norm: nn.LayerNorm) -> nn.ParameterList:
@@ -407,16 +413,7 @@ def check_fused_attention(geometry: EncoderGeometry, device: torch.device, dtype
         )
     except Exception as exc:
         return f"the attention kernel failed: {type(exc).__name__}: {exc}"
-    if c2p is None and p2c is None:
-        bias = key_bias.view(batch, 1, 1, length).to(dtype)
-    else:
-        bias = kernels.relpos_bias(c2p, p2c, rel_index, key_bias, scale, dtype, "triton")
-
-    def split(t):
-        return t.view(batch, length, heads, head_size).transpose(1, 2)
-
-    want = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=bias, scale=scale)
-    want = want.transpose(1, 2).reshape(batch * length, hidden)
+    want = _eager_attention(q, k, v, c2p, p2c, rel_index, key_bias, scale, heads, "triton")
     real = mask.reshape(-1)
     atol, rtol = kernels.TOLERANCES[dtype]
     if not torch.allclose(got[real].float(), want[real].float(), atol=atol, rtol=rtol):

@@ -100,7 +100,7 @@ class AdapterMetrics:
             adapters, waves = engine.batch_stats.popleft()
             self.batch_adapters.observe(adapters)
             self.batch_waves.observe(waves)
-        calls = getattr(engine, "call_stats", ())
+        calls = engine.call_stats
         while calls:
             rows, seconds, waits = calls.popleft()
             self.call_rows.observe(rows)
