@@ -31,8 +31,12 @@ Designs (--design, several run one after the other, each with its own server):
             and host step in turn (the A/B of the chunk pipeline, in the same run)
   pipeline-unfused  the same with gliner2_core's fused_span_scores off: GLiNER2's own span head
             instead of kernels/spanscores.py (the A/B of the kernel, on by default since session 12)
-  pipeline-fused-attention  the same with gliner2_core's fused_attention on: DeBERTa's attention
-            in one kernel (kernels/disattn.py) instead of the bias tensor and SDPA (the A/B of the kernel)
+  pipeline-eager-attention  the same with gliner2_core's fused_attention off: the bias tensor
+            (kernels/relpos.py) and SDPA instead of kernels/disattn.py (the A/B of the kernel, on by
+            default since session 13)
+  pipeline-inflight  the same with the fronts' front_inflight 4: each front hands its batch's
+            GPU-stage call and decoding to a pool thread and takes its next batch meanwhile (the A/B
+            of the fronts' blocking call)
   pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
             before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
@@ -80,7 +84,8 @@ DESIGNS = (
     "pipeline-eager",
     "pipeline-unpiped",
     "pipeline-unfused",
-    "pipeline-fused-attention",
+    "pipeline-eager-attention",
+    "pipeline-inflight",
     "pipeline-small-graphs",
     "single",
 )
@@ -89,9 +94,11 @@ CORE_OVERRIDES = {
     "pipeline-eager": {"cuda_graphs": "off"},
     "pipeline-unpiped": {"chunk_pipeline": "off"},
     "pipeline-unfused": {"fused_span_scores": "off"},
-    "pipeline-fused-attention": {"fused_attention": "on"},
+    "pipeline-eager-attention": {"fused_attention": "off"},
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
 }
+# designs that change the front (gliner2) instead
+FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"
@@ -210,6 +217,7 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
     if layout.design.startswith("pipeline"):
         front = {k: params[k] for k in FRONT_KEYS if k in params}
         front["core_model"] = CORE
+        front.update(FRONT_OVERRIDES.get(layout.design, {}))
         if layout.front_inflight:
             front["front_inflight"] = str(layout.front_inflight)
         _write_model(
@@ -289,20 +297,26 @@ def server_summary(url: str) -> dict:
 def design_of(summary: Mapping) -> str:
     if FRONT not in summary:
         return "unknown"
-    core = summary[FRONT].get("parameters", {}).get("core_model", "none").strip()
-    if core in ("", "none"):
+    front = summary[FRONT].get("parameters", {})
+    if front.get("core_model", "none").strip() in ("", "none"):
         return "single"
     from manylora.config import EngineConfig
 
-    parameters = summary.get(CORE, {}).get("parameters", {})
+    core = summary.get(CORE, {}).get("parameters", {})
 
-    def default(key: str) -> str:  # an absent key has the engine's default
-        value = getattr(EngineConfig, key)
-        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+    def holds(parameters: Mapping, overrides: Mapping) -> bool:  # an absent key has the engine's default
+        def default(key: str) -> str:
+            value = getattr(EngineConfig, key)
+            return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
+        return all(parameters.get(k, default(k)).strip() == v for k, v in overrides.items())
+
+    for design, overrides in FRONT_OVERRIDES.items():
+        if holds(front, overrides):
+            return design
     # the design with the most overrides that all hold (a combined design before its parts)
     for design, overrides in sorted(CORE_OVERRIDES.items(), key=lambda item: -len(item[1])):
-        if all(parameters.get(k, default(k)).strip() == v for k, v in overrides.items()):
+        if holds(core, overrides):
             return design
     return "pipeline"
 

@@ -629,15 +629,26 @@ def test_bench_repository_pipeline_small_graphs_lowers_the_graph_cap(tmp_path, e
     assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "65536 is the default"
 
 
-def test_bench_repository_pipeline_fused_attention_turns_the_attention_kernel_on(tmp_path, engine_params):
+def test_bench_repository_pipeline_eager_attention_turns_the_attention_kernel_off(tmp_path, engine_params):
     repo = bench_server.bench_repository(
-        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-fused-attention")
+        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-eager-attention")
     )
     config = _engine_config(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
-    assert config.fused_attention is True and config.fused_span_scores is True
-    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-fused-attention"
+    assert config.fused_attention is False and config.fused_span_scores is True
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-eager-attention"
     committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
-    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_attention is False
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).fused_attention is True
+    assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "on is the default"
+
+
+def test_bench_repository_pipeline_inflight_sets_the_fronts_inflight_batches(tmp_path, engine_params):
+    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-inflight"))
+    front = _parse_config(repo / "gliner2" / "config.pbtxt")
+    assert front.parameters["front_inflight"].string_value == "4"
+    assert front.parameters["core_model"].string_value == "gliner2_core"
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-inflight"
+    plain = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
+    assert "front_inflight" not in _parse_config(plain / "gliner2" / "config.pbtxt").parameters
 
 
 def test_call_stats_are_means_of_the_phase_from_both_instances():
