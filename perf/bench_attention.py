@@ -3,6 +3,10 @@
 
     python perf/bench_attention.py                 # CUDA: the benchmark's shapes, bfloat16
     python perf/bench_attention.py --smoke         # any host: one tiny case (CPU: the interpreter)
+    python perf/bench_attention.py --launch 64x64w4s2 64x64w4s2k 128x64w8s2k   # launch settings side by side
+
+A launch is BLOCK_Mx BLOCK_N w warps s stages, and k to gather p2c along the queries
+(coalesced) and transpose the tile in registers; the first is the one printed as "fused".
 
 Cases: GLiNER2-base's attention (12 heads of 64) on chunks of the benchmark's kind, rows of
 random lengths padded to the chunk's longest (``--rows``, ``--length``, ``--min-length``), the
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -46,6 +51,21 @@ def make_case(rows, length, min_length, heads, head_dim, width, dtype, device, s
     return q, k, v, c2p, p2c, rel_index, mask, key_bias
 
 
+def parse_launch(text: str) -> dict:
+    """'128x64w8s2k' -> disentangled_attention's launch keywords."""
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(k?)", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"launch {text!r}: expected e.g. 64x64w4s2 or 64x64w4s2k")
+    bm, bn, warps, stages, by_key = m.groups()
+    return {
+        "block_m": int(bm),
+        "block_n": int(bn),
+        "num_warps": int(warps),
+        "num_stages": int(stages),
+        "p2c_by_key": bool(by_key),
+    }
+
+
 def main(argv=None) -> int:
     from manylora.kernels.disattn import disentangled_attention
     from manylora.kernels.relpos import relpos_bias
@@ -58,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, nargs="+", default=[160, 256])
     p.add_argument("--min-length", type=float, default=0.5, help="shortest row, a share of the chunk's length")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--launch", nargs="+", default=["default"], help="launch settings to time (default: the kernel's)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -73,8 +94,13 @@ def main(argv=None) -> int:
         scale = 1.0 / (3 * head_dim) ** 0.5
         kv_len = kernels.key_lengths(mask)
 
-        def fused():
-            return disentangled_attention(q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, rows, length, heads)
+        def variant(launch: str):
+            kw = {} if launch == "default" else parse_launch(launch)
+            return lambda: disentangled_attention(
+                q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, rows, length, heads, **kw
+            )
+
+        variants = {launch: variant(launch) for launch in args.launch}
 
         def eager():
             bias = relpos_bias(c2p, p2c, rel_index, key_bias, scale, dtype)
@@ -83,14 +109,20 @@ def main(argv=None) -> int:
             return out.transpose(1, 2).reshape(rows * length, heads * head_dim)
 
         real = mask.reshape(-1).bool()
-        got, want = fused(), eager()
-        diff = (got[real].float() - want[real].float()).abs().max().item()
-        if not cuda:
-            ref = kernels.disentangled_attention_ref(q, k, v, c2p, p2c, rel_index, key_bias, scale, rows, length, heads)
-            diff = max(diff, (got[real].float() - ref[real]).abs().max().item())
-        times = {"fused": [], "eager": []}
+        want = eager()
+        diffs = {}
+        for launch, fn in variants.items():
+            got = fn()
+            diffs[launch] = (got[real].float() - want[real].float()).abs().max().item()
+            if not cuda:
+                ref = kernels.disentangled_attention_ref(
+                    q, k, v, c2p, p2c, rel_index, key_bias, scale, rows, length, heads
+                )
+                diffs[launch] = max(diffs[launch], (got[real].float() - ref[real]).abs().max().item())
+        diff = diffs[args.launch[0]]
+        times = {"eager": [], **{launch: [] for launch in variants}}
         for _ in range(args.repeats + 2):  # two warm-up rounds, dropped
-            for name, fn in (("eager", eager), ("fused", fused)):
+            for name, fn in (("eager", eager), *variants.items()):
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -103,6 +135,7 @@ def main(argv=None) -> int:
                     fn()
                     times[name].append((time.perf_counter() - t0) * 1e3)
         med = {name: statistics.median(t[2:] if len(t) > 2 else t) for name, t in times.items()}
+        med["fused"] = med[args.launch[0]]
         row = {
             "rows": rows,
             "length": length,
@@ -115,12 +148,19 @@ def main(argv=None) -> int:
             "fused_ms": round(med["fused"], 3),
             "eager_ms": round(med["eager"], 3),
             "eager_over_fused": round(med["eager"] / med["fused"], 2),
+            "launches": {launch: {"ms": round(med[launch], 3), "max_abs_diff": diffs[launch]} for launch in variants},
         }
         print(
             f"rows {rows:4d} x length {length:3d} ({row['real_tokens']} real tokens): fused {row['fused_ms']:.3f} ms,"
             f" eager {row['eager_ms']:.3f} ms, eager/fused {row['eager_over_fused']:.2f}x, max diff {diff:.3g}",
             flush=True,
         )
+        for launch in list(variants)[1:]:
+            print(
+                f"    launch {launch}: {med[launch]:.3f} ms, eager/this {med['eager'] / med[launch]:.2f}x,"
+                f" {args.launch[0]}/this {med['fused'] / med[launch]:.2f}x, max diff {diffs[launch]:.3g}",
+                flush=True,
+            )
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -123,3 +123,27 @@ def test_padding_query_tiles_are_zero_and_a_masked_first_tile_stays_finite(devic
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(second[:60], want[130:190], atol=atol, rtol=rtol)
     torch.testing.assert_close(got[:130].float(), want[:130], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"p2c_by_key": True},
+        {"block_m": 128, "block_n": 32, "num_warps": 8, "p2c_by_key": True},
+        {"block_m": 32, "block_n": 64, "num_stages": 3},
+    ],
+    ids=["p2c-by-key", "128x32-w8-by-key", "32x64-s3"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launch_variants_match_the_reference(device, dtype, launch):
+    """The launch settings bench_attention.py sweeps (tiles, warps, stages, p2c read along the
+    queries and transposed in registers) change no answer beyond the dtype's tolerance."""
+    batch, heads, length, head_dim, width, lengths = 3, 2, 70, 32, 40, [70, 1, 65]
+    q, k, v, c2p, p2c, rel_index, mask, key_bias = _case(batch, heads, length, head_dim, width, dtype, device, lengths)
+    scale = 1.0 / (3 * head_dim) ** 0.5
+    kv_len = key_lengths(mask)
+    got = disentangled_attention(q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, batch, length, heads, **launch)
+    want = disentangled_attention_ref(q, k, v, c2p, p2c, rel_index, key_bias, scale, batch, length, heads)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(_real(got.float(), lengths, length), _real(want, lengths, length), atol=atol, rtol=rtol)
+    assert bool(torch.isfinite(got.float()).all())
