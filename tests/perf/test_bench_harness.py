@@ -642,7 +642,9 @@ def test_bench_repository_pipeline_eager_attention_turns_the_attention_kernel_of
 
 
 def test_bench_repository_pipeline_inflight_sets_the_fronts_inflight_batches(tmp_path, engine_params):
-    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-inflight"))
+    repo = bench_server.bench_repository(
+        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-inflight")
+    )
     front = _parse_config(repo / "gliner2" / "config.pbtxt")
     assert front.parameters["front_inflight"].string_value == "4"
     assert front.parameters["core_model"].string_value == "gliner2_core"
