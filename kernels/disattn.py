@@ -64,7 +64,6 @@ def _disentangled_attention_kernel(
     ROUND_BIAS: tl.constexpr,  # 16-bit serving dtype: the bias rounded as relpos.py stores it
     PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32)
     DOT_IN_FP32: tl.constexpr,  # the CPU interpreter: its dot is only right in fp32
-    P2C_BY_KEY: tl.constexpr,  # gather p2c along the queries (coalesced) and transpose in registers
 ):
     bh = tl.program_id(0)  # rows x heads on axis 0: axis 1 stops at 65,535 (relpos.py's comment)
     pid_m = tl.program_id(1)
@@ -96,22 +95,17 @@ def _disentangled_attention_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         inside = mask_m[:, None] & valid_n[None, :]
-        inside_t = valid_n[:, None] & mask_m[None, :]
         rel = tl.load(idx_ptr + (offs_n[None, :] - offs_m[:, None] + length - 1), mask=inside, other=0)
         pos = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if HAS_C2P:
             pos += tl.load(c_base + offs_m.to(tl.int64)[:, None] * stride_c_l + rel, mask=inside, other=0.0).to(
                 tl.float32
             )
-        if HAS_P2C:
-            if P2C_BY_KEY:  # the tile read as [keys, queries]: a warp's lanes walk one key's row of p2c
-                rel_t = tl.load(idx_ptr + (offs_n[:, None] - offs_m[None, :] + length - 1), mask=inside_t, other=0)
-                rows_t = offs_n.to(tl.int64)[:, None] * stride_p_l
-                pos += tl.trans(tl.load(p_base + rows_t + rel_t, mask=inside_t, other=0.0).to(tl.float32))
-            else:
-                pos += tl.load(p_base + offs_n.to(tl.int64)[None, :] * stride_p_l + rel, mask=inside, other=0.0).to(
-                    tl.float32
-                )
+        if HAS_P2C:  # a warp's lanes on several keys' rows: uncoalesced, but from L2 (session 13:
+            # reading the tile along the queries and transposing it in registers took twice as long)
+            pos += tl.load(p_base + offs_n.to(tl.int64)[None, :] * stride_p_l + rel, mask=inside, other=0.0).to(
+                tl.float32
+            )
         key = tl.load(mask_ptr + b.to(tl.int64) * length + offs_n, mask=valid_n, other=0.0)
         bias = pos * scale + key[None, :]
         if ROUND_BIAS:
@@ -152,7 +146,6 @@ def disentangled_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    p2c_by_key: bool = False,
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale + bias)·v per (row, head) with relpos.py's bias, [B*L, h*d] in q's dtype."""
     hidden = q.shape[1]
@@ -201,7 +194,6 @@ def disentangled_attention(
         ROUND_BIAS=q.dtype in (torch.bfloat16, torch.float16),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=q.device.type == "cpu",
-        P2C_BY_KEY=p2c_by_key,
         num_warps=num_warps,
         num_stages=num_stages,
     )
