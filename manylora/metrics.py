@@ -14,11 +14,17 @@ instance keeps its own adapter cache). Families:
     manylora_core_call_rows                        histogram: rows per GPU-stage engine call (merged batches)
     manylora_core_call_seconds                     histogram: such a call's start to its answers' delivery
     manylora_core_queue_seconds                    histogram: a GPU-stage request's wait before its call starts
+    manylora_cuda_graph_captures_total             counter: CUDA graphs captured (at load and on first use)
+    manylora_cuda_graph_capture_seconds_total      counter: seconds those captures took in the GPU thread
 
 The last three are the overlapped GPU stage's (``core_overlap: on``): where a request's time
 goes between Triton's queue and its answer. With ``chunk_pipeline`` a call's answers are
 delivered once the next call's first forward is queued (or at once when nothing waits), so a
 call's seconds include that step of the next call.
+
+The graph counters tell whether a phase of a benchmark paid for captures on first use (each
+~50-100 ms in the GPU thread, session 12): with the 65,536-token cap the shapes of moderate and
+heavy load are captured while they are served. They stay 0 without CUDA graphs (CPU).
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class AdapterMetrics:
         queue_seconds = family(
             "manylora_core_queue_seconds", "A GPU-stage request's wait before its engine call", family.HISTOGRAM
         )
+        captures = family("manylora_cuda_graph_captures_total", "CUDA graphs captured", family.COUNTER)
+        capture_seconds = family(
+            "manylora_cuda_graph_capture_seconds_total", "Seconds of CUDA graph captures", family.COUNTER
+        )
         self.cache = {(e, t): cache.Metric(labels={**labels, "tier": t, "event": e}) for e in EVENTS for t in TIERS}
         self.resident = {t: resident.Metric(labels={**labels, "tier": t}) for t in TIERS}
         self.loading = loading.Metric(labels=dict(labels))
@@ -59,6 +69,8 @@ class AdapterMetrics:
         self.call_rows = call_rows.Metric(labels=dict(labels), buckets=ROW_BUCKETS)
         self.call_seconds = call_seconds.Metric(labels=dict(labels), buckets=CALL_BUCKETS)
         self.queue_seconds = queue_seconds.Metric(labels=dict(labels), buckets=CALL_BUCKETS)
+        self.captures = captures.Metric(labels=dict(labels))
+        self.capture_seconds = capture_seconds.Metric(labels=dict(labels))
         self._published: dict = {}
         # families must outlive their metrics: assigned last, so they are also released last
         self._families = (
@@ -72,6 +84,8 @@ class AdapterMetrics:
             call_rows,
             call_seconds,
             queue_seconds,
+            captures,
+            capture_seconds,
         )
 
     def close(self) -> None:
@@ -79,12 +93,17 @@ class AdapterMetrics:
         self.cache = self.resident = self.loading = self.host_bytes = None
         self.loads = self.batch_adapters = self.batch_waves = None
         self.call_rows = self.call_seconds = self.queue_seconds = None
+        self.captures = self.capture_seconds = None
         self._families = None
 
     def publish(self, engine) -> None:
         store = engine.store
-        for key, metric in self.cache.items():
-            total = store.events[key]
+        counters = [(key, metric, store.events[key]) for key, metric in self.cache.items()]
+        graphs = getattr(engine, "graphs", None)
+        if graphs is not None:
+            counters.append(("captures", self.captures, graphs.stats["captures"]))
+            counters.append(("capture_seconds", self.capture_seconds, graphs.stats["capture_seconds"]))
+        for key, metric, total in counters:
             delta = total - self._published.get(key, 0)
             if delta:
                 metric.increment(delta)

@@ -510,11 +510,14 @@ def batch_stats(before: Mapping, after: Mapping) -> dict:
 
 
 CALL_METRICS = ("manylora_core_call_rows", "manylora_core_call_seconds", "manylora_core_queue_seconds")
+# counters: the GPU stage's CUDA graph captures (a phase that captures pays ~50-100 ms a shape)
+CAPTURE_METRICS = ("manylora_cuda_graph_captures_total", "manylora_cuda_graph_capture_seconds_total")
 
 
 def call_metrics(metrics_url: Optional[str]) -> dict[str, float]:
-    """The GPU stage's call histograms' _sum and _count on the Prometheus endpoint, summed over
-    instances ({} without a URL or when it cannot be read: the phase still reports)."""
+    """The GPU stage's call histograms' _sum and _count and its graph-capture counters on the
+    Prometheus endpoint, summed over instances ({} without a URL or when it cannot be read: the
+    phase still reports)."""
     if not metrics_url:
         return {}
     import urllib.request
@@ -532,7 +535,8 @@ def parse_call_metrics(text: str) -> dict[str, float]:
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in CALL_METRICS:
+        histogram = name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in CALL_METRICS
+        if histogram or name in CAPTURE_METRICS:
             try:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
             except ValueError:
@@ -542,7 +546,8 @@ def parse_call_metrics(text: str) -> dict[str, float]:
 
 def call_stats(before: Mapping, after: Mapping) -> dict:
     """Deltas of call_metrics over a phase: the GPU thread's mean rows per engine call, its mean
-    call time, and a GPU-stage request's mean wait before its call (ms)."""
+    call time, a GPU-stage request's mean wait before its call (ms), and the CUDA graphs it
+    captured and the seconds those captures took (both 0 without graphs)."""
 
     def mean(name: str, scale: float = 1.0) -> Optional[float]:
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
@@ -555,6 +560,8 @@ def call_stats(before: Mapping, after: Mapping) -> dict:
         "core_call_rows": mean("manylora_core_call_rows"),
         "core_call_ms": mean("manylora_core_call_seconds", 1e3),
         "core_queue_ms": mean("manylora_core_queue_seconds", 1e3),
+        "core_graph_captures": round(after.get(CAPTURE_METRICS[0], 0.0) - before.get(CAPTURE_METRICS[0], 0.0)),
+        "core_capture_s": round(after.get(CAPTURE_METRICS[1], 0.0) - before.get(CAPTURE_METRICS[1], 0.0), 3),
     }
 
 
@@ -1001,7 +1008,8 @@ class Bench:
             f"  p99 {row['p99_ms']:7.1f} ms  batch {row['mean_batch']}/{row.get('core_rows_per_execute', '-')}"
             f"  GPU {row.get('gpu_busy_pct')}%  CPU ms/req {cpu.get(FRONT)}/{cpu.get(CORE)}"
             f"  core call {row.get('core_call_rows')} rows {row.get('core_call_ms')} ms"
-            f" queue {row.get('core_queue_ms')} ms",
+            f" queue {row.get('core_queue_ms')} ms  graphs captured {row.get('core_graph_captures')}"
+            f" ({row.get('core_capture_s')} s)",
             flush=True,
         )
         return row

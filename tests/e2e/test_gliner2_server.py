@@ -292,6 +292,7 @@ def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters)
     assert value("manylora_core_call_rows_count") >= 1 and value("manylora_core_call_rows_sum") >= 6
     assert value("manylora_core_call_seconds_count") == value("manylora_core_call_rows_count")
     assert value("manylora_core_queue_seconds_count") >= value("manylora_core_call_rows_count")
+    assert value("manylora_cuda_graph_captures_total") == 0, "no CUDA graphs on the CPU"
 
 
 def test_locustfile_drives_grpc_and_http_users(server, demo_adapters, tmp_path):

@@ -658,7 +658,7 @@ def test_call_stats_are_means_of_the_phase_from_both_instances():
     """The GPU stage's call histograms, read from Prometheus text before and after a phase:
     mean rows per call, call ms and queue ms of that phase alone, summed over instances."""
 
-    def text(rows, seconds, waits, calls, jobs):
+    def text(rows, seconds, waits, calls, jobs, captures=0, capture_s=0.0):
         lines = ["# HELP manylora_core_call_rows Rows per GPU-stage engine call"]
         for instance in ("0", "1"):
             labels = f'{{model="gliner2_core",instance="{instance}"}}'
@@ -671,17 +671,21 @@ def test_call_stats_are_means_of_the_phase_from_both_instances():
                 f"manylora_core_queue_seconds_sum{labels} {waits}",
                 f"manylora_core_queue_seconds_count{labels} {jobs}",
                 f'manylora_batch_waves_sum{{model="gliner2_core",instance="{instance}"}} 99',
+                f"manylora_cuda_graph_captures_total{labels} {captures}",
+                f"manylora_cuda_graph_capture_seconds_total{labels} {capture_s}",
             ]
         return "\n".join(lines)
 
-    before = bench_server.parse_call_metrics(text(100, 1.0, 0.5, 10, 20))
-    after = bench_server.parse_call_metrics(text(400, 2.5, 1.7, 20, 50))
+    before = bench_server.parse_call_metrics(text(100, 1.0, 0.5, 10, 20, captures=104, capture_s=8.0))
+    after = bench_server.parse_call_metrics(text(400, 2.5, 1.7, 20, 50, captures=110, capture_s=8.45))
     assert before["manylora_core_call_rows_sum"] == 200 and "manylora_batch_waves_sum" not in before
     # per instance: 300 rows / 10 calls, 1.5 s / 10 calls, 1.2 s / 30 jobs
     assert bench_server.call_stats(before, after) == {
         "core_call_rows": 30.0,
         "core_call_ms": 150.0,
         "core_queue_ms": 40.0,
+        "core_graph_captures": 12,  # 6 more on each instance, 0.45 s each
+        "core_capture_s": 0.9,
     }
     assert bench_server.call_stats(before, before)["core_call_rows"] is None  # no call in the phase
     assert bench_server.call_stats({}, {}) == {} and bench_server.call_metrics(None) == {}

@@ -1,0 +1,71 @@
+"""manylora.metrics.AdapterMetrics.publish against a stand-in for pb_utils' metric families:
+each counter grows by what the engine counted since the last publish, never by its total again;
+the CUDA graph counters follow the GPU stage's graph statistics and stay untouched without graphs."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+from manylora.metrics import AdapterMetrics
+
+
+class _Metric:
+    def __init__(self, labels, buckets=None):
+        self.labels, self.value, self.observed = labels, 0.0, []
+
+    def increment(self, delta):
+        assert delta > 0, "a counter only grows"
+        self.value += delta
+
+    def set(self, value):
+        self.value = value
+
+    def observe(self, value):
+        self.observed.append(value)
+
+
+class _Family:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+        return _Metric(labels, buckets)
+
+
+def _engine(graph_stats=None):
+    events = {(e, t): 0 for e in ("hit", "miss", "evict") for t in ("host", "gpu")}
+    store = SimpleNamespace(
+        events=events,
+        resident=lambda: {"host": ["a"], "gpu": []},
+        loading=lambda: [],
+        host_bytes=0,
+        drain_load_seconds=lambda: {},
+    )
+    graphs = None if graph_stats is None else SimpleNamespace(stats=graph_stats)
+    return SimpleNamespace(store=store, batch_stats=deque(), call_stats=deque(), graphs=graphs)
+
+
+def test_graph_captures_are_published_as_deltas():
+    metrics = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "0"})
+    stats = {"replays": 0, "captures": 104, "eager": 0, "capture_seconds": 7.5}
+    engine = _engine(stats)
+    metrics.publish(engine)
+    assert (metrics.captures.value, metrics.capture_seconds.value) == (104, 7.5)
+    stats.update(captures=110, capture_seconds=8.0)
+    engine.store.events[("miss", "gpu")] = 3
+    metrics.publish(engine)
+    metrics.publish(engine)  # nothing new: nothing added
+    assert (metrics.captures.value, metrics.capture_seconds.value) == (110, 8.0)
+    assert metrics.cache[("miss", "gpu")].value == 3 and metrics.cache[("hit", "gpu")].value == 0
+
+
+def test_without_graphs_the_capture_counters_stay_at_zero():
+    metrics = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "0"})
+    engine = _engine()
+    engine.store.events[("hit", "host")] = 5
+    metrics.publish(engine)
+    assert metrics.captures.value == 0 and metrics.capture_seconds.value == 0
+    assert metrics.cache[("hit", "host")].value == 5 and metrics.resident["host"].value == 1
