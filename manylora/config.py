@@ -138,10 +138,12 @@ class EngineConfig:
     control_dir: str = "auto"
     cpu_threads: int = 0  # 0 = auto
     core_model: str = ""  # "" = this instance runs pre, GPU stage and post itself
-    # a front instance's batches in the GPU stage at once (1: execute() waits for it). 4 since session 13:
-    # H200, same call, 16 fronts, 1,024 adapters: at 70% of saturation p95 base 165 -> 83 ms, LoRA
-    # 200 -> 139 ms; saturation LoRA 3,719 -> 3,772 req/s, base 5,538 -> 5,111 (perf/README.md, session 13)
-    front_inflight: int = 4
+    # a front instance's batches in the GPU stage at once (1: execute() waits for it). 4 measured on the
+    # H200 in session 13 (same call, 16 fronts, 1,024 adapters): at 70% of saturation p95 base 165 -> 83 ms,
+    # LoRA 200 -> 139 ms. Not the default: when a front's stub dies, its batches in flight wait for the
+    # model's reload instead of failing at once (Triton 2.51's Python backend does not fail the requests a
+    # dead stub was answering through response senders; tests/e2e/test_soak_faults.py saw it in CI)
+    front_inflight: int = 1
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
@@ -205,7 +207,7 @@ class EngineConfig:
             _positive_int,
             False,
             "pipeline front (gliner2 with core_model): batches one instance may have in the GPU stage at once. "
-            "1: execute() calls the GPU stage and waits for it; N > 1 (default 4): execute() prepares its batch, "
+            "1 (default): execute() calls the GPU stage and waits for it; N > 1: execute() prepares its batch, "
             "hands the call and the decoding to one of N threads and takes the next batch (answers go through "
             "the requests' response senders; with N in flight, execute() waits for one to finish)",
         ),

@@ -34,9 +34,9 @@ Designs (--design, several run one after the other, each with its own server):
   pipeline-eager-attention  the same with gliner2_core's fused_attention off: the bias tensor
             (kernels/relpos.py) and SDPA instead of kernels/disattn.py (the A/B of the kernel, on by
             default since session 13)
-  pipeline-blocking  the same with the fronts' front_inflight 1: each front's execute() waits for
-            the GPU stage and decodes before it takes its next batch (the A/B of front_inflight,
-            4 by default since session 13)
+  pipeline-inflight  the same with the fronts' front_inflight 4: each front hands its batch's
+            GPU-stage call and decoding to a pool thread and takes its next batch meanwhile (the A/B
+            of the fronts' blocking call)
   pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
             before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
@@ -85,7 +85,7 @@ DESIGNS = (
     "pipeline-unpiped",
     "pipeline-unfused",
     "pipeline-eager-attention",
-    "pipeline-blocking",
+    "pipeline-inflight",
     "pipeline-small-graphs",
     "single",
 )
@@ -98,7 +98,7 @@ CORE_OVERRIDES = {
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
 }
 # designs that change the front (gliner2) instead
-FRONT_OVERRIDES = {"pipeline-blocking": {"front_inflight": "1"}}
+FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"
@@ -150,7 +150,7 @@ class Layout:
     front_instances: Optional[int] = None  # pipeline: gliner2 CPU fronts
     front_max_batch: Optional[int] = None
     front_delay_us: Optional[int] = None
-    front_inflight: Optional[int] = None  # pipeline: the front's front_inflight (default: committed, 4)
+    front_inflight: Optional[int] = None  # pipeline: the front's front_inflight (default: committed, 1)
     core_instances: int = 1  # pipeline: gliner2_core instances per GPU
     core_max_batch: Optional[int] = None
     core_delay_us: Optional[int] = None

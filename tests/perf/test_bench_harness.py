@@ -641,16 +641,17 @@ def test_bench_repository_pipeline_eager_attention_turns_the_attention_kernel_of
     assert bench_server.design_of(bench_server.repository_summary(committed)) == "pipeline", "on is the default"
 
 
-def test_bench_repository_pipeline_blocking_sets_one_batch_in_flight_per_front(tmp_path, engine_params):
-    layout = bench_server.Layout(design="pipeline-blocking")
-    repo = bench_server.bench_repository(tmp_path / "repo", engine_params, layout)
+def test_bench_repository_pipeline_inflight_sets_the_fronts_inflight_batches(tmp_path, engine_params):
+    repo = bench_server.bench_repository(
+        tmp_path / "repo", engine_params, bench_server.Layout(design="pipeline-inflight")
+    )
     front = _parse_config(repo / "gliner2" / "config.pbtxt")
-    assert front.parameters["front_inflight"].string_value == "1"
+    assert front.parameters["front_inflight"].string_value == "4"
     assert front.parameters["core_model"].string_value == "gliner2_core"
-    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-blocking"
+    assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-inflight"
     plain = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
     assert "front_inflight" not in _parse_config(plain / "gliner2" / "config.pbtxt").parameters
-    assert _engine_config(_parse_config(plain / "gliner2" / "config.pbtxt")).front_inflight == 4, "the default"
+    assert _engine_config(_parse_config(plain / "gliner2" / "config.pbtxt")).front_inflight == 1, "the default"
     assert bench_server.design_of(bench_server.repository_summary(plain)) == "pipeline"
 
 
@@ -701,4 +702,4 @@ def test_bench_repository_front_inflight_goes_to_the_front(tmp_path, engine_para
     assert _params(front)["front_inflight"] == "2" and _engine_config(front).front_inflight == 2
     assert "front_inflight" not in _params(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
     plain = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
-    assert "front_inflight" not in _params(_parse_config(plain / "gliner2" / "config.pbtxt")), "the committed default"
+    assert "front_inflight" not in _params(_parse_config(plain / "gliner2" / "config.pbtxt")), "the committed 1"
