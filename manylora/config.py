@@ -162,6 +162,10 @@ class EngineConfig:
     # 4,027 -> 4,179; LoRA p95 at 70% of saturation 302 -> 166 ms (perf/README.md, session 13)
     fused_attention: bool = True
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
+    # pipeline front: seconds one batch waits for the GPU stage's answer. Without it a GPU-stage
+    # stub that dies holding batches leaves the fronts waiting forever (seen on the CPU: every
+    # client of a killed gliner2_core stub waited out its own deadline; manylora.serving.CallDeadline)
+    core_timeout: float = 60.0
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -255,6 +259,14 @@ class EngineConfig:
             "(kernels/disattn.py: no [rows, heads, L, L] bias tensor, padding keys skipped; checked against "
             "the eager attention at load; default); 'off' writes the bias and runs "
             "scaled_dot_product_attention",
+        ),
+        "core_timeout": (
+            _seconds,
+            False,
+            "pipeline front (gliner2 with core_model): seconds one batch waits for the GPU stage's answer "
+            "(default 60); past it the batch's requests get UNAVAILABLE. While 4 calls of an instance are "
+            "past their deadline and still unanswered (a GPU stage whose stub died), its next batches get "
+            "UNAVAILABLE at once",
         ),
         "adapter_load_timeout": (
             _seconds,

@@ -136,6 +136,61 @@ def instance_device(args: dict) -> str:
     return "cpu"
 
 
+class CallDeadline:
+    """Blocking calls with a deadline, for the front's BLS call to the GPU stage.
+
+    Why: Triton 2.51's Python backend fails the requests of a dead stub's ``execute()`` in
+    progress, but not those its threads were answering through response senders, as the GPU
+    stage does. With the GPU-stage stub killed on the CPU, the fronts' ``exec()`` calls never
+    returned: every client waited out its own deadline, and the requests queued behind the
+    blocked fronts expired in Triton's queue. Here each call runs on a thread of its own; past
+    ``seconds`` the caller gets a TimeoutError and the call is left to finish on its thread
+    (its answer is dropped). While ``limit`` such calls are still unanswered, new calls fail at
+    once instead of starting threads that would wait too: the threads stay bounded. A thread per
+    call costs ~0.13 ms (this repository's 2-core CPU host), against ~1 ms of the front's own
+    host time per request.
+    """
+
+    def __init__(self, seconds: float, limit: int = 4):
+        import threading
+
+        self.seconds, self.limit = seconds, limit
+        self._lock = threading.Lock()
+        self.stranded = 0  # calls past their deadline whose thread still waits
+
+    def call(self, fn):
+        import threading
+
+        with self._lock:
+            if self.stranded >= self.limit:
+                raise TimeoutError(f"{self.stranded} calls past their {self.seconds:g} s deadline are still unanswered")
+        done = threading.Event()
+        state = {"abandoned": False}
+
+        def run() -> None:
+            try:
+                state["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                state["error"] = exc
+            finally:
+                with self._lock:
+                    state["finished"] = True
+                    if state["abandoned"]:
+                        self.stranded -= 1
+                done.set()
+
+        threading.Thread(target=run, name="manylora-core-call", daemon=True).start()
+        done.wait(self.seconds)
+        with self._lock:
+            if not state.get("finished"):
+                state["abandoned"] = True
+                self.stranded += 1
+                raise TimeoutError(f"no answer within {self.seconds:g} s")
+        if "error" in state:
+            raise state["error"]
+        return state["value"]
+
+
 class TritonModelHandler:
     """What model.py's TritonPythonModel of the public ``gliner2`` model delegates to.
 
@@ -145,6 +200,7 @@ class TritonModelHandler:
 
     core_model = ""  # class default: tests build handlers without __init__ (the single design)
     _inflight = None  # front_inflight > 1: (thread pool, semaphore, futures) of the batches in the GPU stage
+    _core_deadline = None  # the front's CallDeadline for the GPU stage's calls (None: exec() waits as long as it takes)
 
     def __init__(self, args: dict, pb_utils):
         from manylora.config import EngineConfig
@@ -175,6 +231,9 @@ class TritonModelHandler:
             logger.info("front of %s: pre and post here, the GPU stage in model %s", config.checkpoint, self.core_model)
             if config.front_inflight > 1:
                 self.start_inflight(config.front_inflight)
+            # up to front_inflight calls are in the GPU stage at once, so as many can be stranded by
+            # one death of its stub: four such deaths before this instance refuses
+            self._core_deadline = CallDeadline(config.core_timeout, limit=4 * config.front_inflight)
         else:
             self._load_engine(config, args, model_config, device)
         freeze_long_lived()  # this process keeps its engine for life: no full-collection pauses mid-batch
@@ -377,7 +436,8 @@ class TritonModelHandler:
         """The GPU stage's call for the prepared rows, post, and one response per request."""
         if prepared:
             try:
-                answer = self._core_request(prepared).exec()
+                call = self._core_request(prepared).exec
+                answer = call() if self._core_deadline is None else self._core_deadline.call(call)
             except Exception as exc:
                 answer = exc
             for (index, item), p, row in zip(places, prepared, self._core_rows(answer, len(prepared))):

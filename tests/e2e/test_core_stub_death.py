@@ -1,0 +1,105 @@
+"""The GPU stage's stub dies (SIGKILL) under load, in a real tritonserver: every request gets an
+answer or a clean UNAVAILABLE within the fronts' ``core_timeout``, none waits out its client's
+deadline, and once gliner2_core is loaded again the same server answers as GLiNER2.
+
+Without the fronts' deadline (``manylora.serving.CallDeadline``) the batches that the dead stub
+was answering through its response senders were never failed by Triton 2.51: both fronts stayed
+blocked in their BLS call, the requests in flight waited out their clients' 45 s deadline, and
+the ones queued behind the fronts expired in Triton's queue after 30 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import tritonclient.grpc as grpcclient
+from fault_tools import (
+    GRPC_STATUS,
+    infer_inputs,
+    pipeline_loads,
+    reference_answer,
+    stub_pids,
+    wait_until,
+    write_gliner2_model,
+)
+from manylora.client import protocol
+from tritonclient.utils import InferenceServerException
+
+from manylora.compare import result_differences
+from manylora.demo import demo_schemas, demo_texts
+
+CORE_TIMEOUT = 4.0
+CORE_INSTANCE = "gliner2_core_0_0"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, triton_server_factory, tiny_checkpoint):
+    repo = tmp_path_factory.mktemp("repo-core-death")
+
+    def front(config):
+        config.parameters["core_timeout"].string_value = str(CORE_TIMEOUT)
+
+    write_gliner2_model(repo, "gliner2", tiny_checkpoint, edit=front)
+    return triton_server_factory(repo, extra_args=["--model-control-mode=explicit", *pipeline_loads()])
+
+
+def _request(i: int) -> protocol.Request:
+    return protocol.Request(demo_texts(16, seed=71)[i % 16], json.dumps(demo_schemas()[0]))
+
+
+def test_a_dead_gpu_stage_fails_requests_in_time_and_a_reload_serves_again(server, reference_model):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answer = client.infer(protocol.MODEL_NAME, infer_inputs(grpcclient, _request(0).to_arrays()), client_timeout=60)
+    assert not result_differences(
+        protocol.parse_result(answer.as_numpy(protocol.RESULT)), reference_answer(reference_model, _request(0))
+    )
+
+    outcomes: list[tuple[float, float, str]] = []  # (sent, seconds, "ok" or the gRPC status)
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        own = grpcclient.InferenceServerClient(server.grpc_url)
+        i = k
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                own.infer(protocol.MODEL_NAME, infer_inputs(grpcclient, _request(i).to_arrays()), client_timeout=60)
+                outcomes.append((sent, time.monotonic() - sent, "ok"))
+            except InferenceServerException as exc:
+                outcomes.append((sent, time.monotonic() - sent, f"{exc.status()} {exc.message()}"))
+            i += 4
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    assert wait_until(lambda: sum(o[2] == "ok" for o in outcomes) >= 4, 60), "the load is answered"
+    (core,) = stub_pids(server.process.pid, CORE_INSTANCE)
+    os.kill(core, signal.SIGKILL)
+    killed = time.monotonic()
+    time.sleep(3 * CORE_TIMEOUT)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a client is still waiting"
+
+    after = [o for o in outcomes if o[0] + o[1] > killed]  # answered after the kill
+    assert after, "requests were in flight or sent after the kill"
+    assert all(seconds < CORE_TIMEOUT + 10 for _, seconds, _ in after), sorted(o[1] for o in after)[-3:]
+    failed = [status for _, _, status in after if status != "ok"]
+    assert failed, "the dead stage failed requests"
+    assert all(status.startswith(GRPC_STATUS["UNAVAILABLE"]) for status in failed), set(failed)
+    assert any("no answer within" in status for status in failed), "the batches the stub held timed out"
+
+    # the watchdog's step (README, Faults): unload and load the GPU stage; the fronts serve again
+    client.unload_model(f"{protocol.MODEL_NAME}_core")
+    assert wait_until(lambda: not client.is_model_ready(f"{protocol.MODEL_NAME}_core"), 60)
+    client.load_model(f"{protocol.MODEL_NAME}_core")
+    for i in range(4):  # both fronts (two instances) get a batch
+        request = _request(i)
+        answer = client.infer(protocol.MODEL_NAME, infer_inputs(grpcclient, request.to_arrays()), client_timeout=60)
+        got = protocol.parse_result(answer.as_numpy(protocol.RESULT))
+        assert not result_differences(got, reference_answer(reference_model, request))
