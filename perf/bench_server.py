@@ -103,6 +103,9 @@ FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"
 PHASE_OVERHEAD_S = 3.0  # perf_analyzer start, data load, the drain after its last window
+# one server's start with 1,024 adapters preloaded (H200, session 13: 30-55 s); the estimate
+# printed before a run leaves it out of "measurement", and --time-budget-s must cover both
+SERVER_START_S = 45.0
 
 
 def adapter_names(folder: Path | None) -> list[str]:
@@ -1152,7 +1155,12 @@ def main(argv=None) -> int:
     datasets, light = datasets_of(args, work, names)
     designs = ["external"] if args.url else args.design
     estimate = len(designs) * estimate_s(args, len(datasets), len(light))
-    print(f"{len(datasets)} mode(s) x {len(designs)} design(s): ~{estimate:.0f} s of measurement", flush=True)
+    starts = 0 if args.url else len(designs) * SERVER_START_S
+    print(
+        f"{len(datasets)} mode(s) x {len(designs)} design(s): ~{estimate:.0f} s of measurement"
+        + (f" + ~{starts:.0f} s of server starts (~{estimate + starts:.0f} s in all)" if starts else ""),
+        flush=True,
+    )
     common_base = {
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["bench_server.py", *argv]),
         **git_info(),
