@@ -164,8 +164,10 @@ class EngineConfig:
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     # pipeline front: seconds one batch waits for the GPU stage's answer. Without it a GPU-stage
     # stub that dies holding batches leaves the fronts waiting forever (seen on the CPU: every
-    # client of a killed gliner2_core stub waited out its own deadline; manylora.serving.CallDeadline)
-    core_timeout: float = 60.0
+    # client of a killed gliner2_core stub waited out its own deadline; manylora.serving.CallDeadline).
+    # 20: above adapter_load_timeout (10), below the committed queue timeout (30 s), so that the
+    # requests queued behind a blocked front are answered before they expire
+    core_timeout: float = 20.0
     device: str = "cpu"
 
     # key -> (parser, mandatory, help); the README table is generated from the same facts
@@ -264,9 +266,9 @@ class EngineConfig:
             _seconds,
             False,
             "pipeline front (gliner2 with core_model): seconds one batch waits for the GPU stage's answer "
-            "(default 60); past it the batch's requests get UNAVAILABLE. While 4 calls of an instance are "
-            "past their deadline and still unanswered (a GPU stage whose stub died), its next batches get "
-            "UNAVAILABLE at once",
+            "(default 20); past it the batch's requests get UNAVAILABLE. While 4 x front_inflight calls of an "
+            "instance are past their deadline (a frozen GPU stage), its next batches get UNAVAILABLE at once, "
+            "but for one probe call per deadline; any call answered in time starts the count again",
         ),
         "adapter_load_timeout": (
             _seconds,

@@ -144,11 +144,17 @@ class CallDeadline:
     stage does. With the GPU-stage stub killed on the CPU, the fronts' ``exec()`` calls never
     returned: every client waited out its own deadline, and the requests queued behind the
     blocked fronts expired in Triton's queue. Here each call runs on a thread of its own; past
-    ``seconds`` the caller gets a TimeoutError and the call is left to finish on its thread
-    (its answer is dropped). While ``limit`` such calls are still unanswered, new calls fail at
-    once instead of starting threads that would wait too: the threads stay bounded. A thread per
-    call costs ~0.13 ms (this repository's 2-core CPU host), against ~1 ms of the front's own
-    host time per request.
+    ``seconds`` the caller gets a TimeoutError and the call is left on its thread (its answer,
+    should one come, is logged and dropped).
+
+    Bounded threads: such stranded calls are counted, and while ``limit`` of them are, new
+    calls fail at once, except one probe call per ``seconds`` (until twice the limit is
+    stranded), so that a stage that answers again is found. Any call answered in time, an error
+    included (a dead stub's new calls fail at once), shows that calls no longer hang: the count
+    starts again from 0, and the calls stranded before stay on their threads uncounted (those of
+    a dead stub never return). Callers in flight together can each pass the check, so the count
+    may exceed its bound by as many. A thread per call costs ~0.13 ms (this repository's 2-core
+    CPU host), against ~1 ms of the front's own host time per request.
     """
 
     def __init__(self, seconds: float, limit: int = 4):
@@ -156,36 +162,59 @@ class CallDeadline:
 
         self.seconds, self.limit = seconds, limit
         self._lock = threading.Lock()
-        self.stranded = 0  # calls past their deadline whose thread still waits
+        self.stranded = 0  # calls past their deadline, since the last call answered in time
+        self._generation = 0  # bumped by each call answered in time
+        self._next_probe = 0.0
 
     def call(self, fn):
         import threading
 
         with self._lock:
             if self.stranded >= self.limit:
-                raise TimeoutError(f"{self.stranded} calls past their {self.seconds:g} s deadline are still unanswered")
+                now = time.monotonic()
+                if self.stranded >= 2 * self.limit or now < self._next_probe:
+                    raise TimeoutError(
+                        f"{self.stranded} calls past their {self.seconds:g} s deadline are still unanswered"
+                    )
+                self._next_probe = float("inf")  # this call is the probe: none other while it runs
+                probe = True
+            else:
+                probe = False
         done = threading.Event()
-        state = {"abandoned": False}
+        state: dict = {"generation": None}  # set when the call is abandoned
 
         def run() -> None:
+            started = time.monotonic()
             try:
                 state["value"] = fn()
-            except BaseException as exc:  # handed to the caller
+            except Exception as exc:  # handed to the caller
                 state["error"] = exc
+            except BaseException as exc:  # not an answer: never let it end the caller's batch unanswered
+                state["error"] = RuntimeError(f"{type(exc).__name__}: {exc}")
             finally:
                 with self._lock:
                     state["finished"] = True
-                    if state["abandoned"]:
-                        self.stranded -= 1
+                    if state["generation"] is not None:
+                        if state["generation"] == self._generation:
+                            self.stranded -= 1
+                        logger.warning(
+                            "a call answered %.1f s after its %g s deadline; its answer is dropped",
+                            time.monotonic() - started,
+                            self.seconds,
+                        )
                 done.set()
 
         threading.Thread(target=run, name="manylora-core-call", daemon=True).start()
         done.wait(self.seconds)
         with self._lock:
             if not state.get("finished"):
-                state["abandoned"] = True
+                state["generation"] = self._generation
                 self.stranded += 1
+                if probe:  # the next probe one deadline after this one gave up
+                    self._next_probe = time.monotonic() + self.seconds
                 raise TimeoutError(f"no answer within {self.seconds:g} s")
+            self._generation += 1  # answered in time: calls do not hang (any more)
+            self.stranded, self._next_probe = 0, 0.0
         if "error" in state:
             raise state["error"]
         return state["value"]

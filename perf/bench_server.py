@@ -222,6 +222,8 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
         front["core_model"] = CORE
         front.update(FRONT_OVERRIDES.get(layout.design, {}))
         if layout.front_inflight:
+            if "front_inflight" in FRONT_OVERRIDES.get(layout.design, {}):
+                raise ValueError(f"--front-inflight and --design {layout.design} both set front_inflight")
             front["front_inflight"] = str(layout.front_inflight)
         _write_model(
             dst,
@@ -307,21 +309,21 @@ def design_of(summary: Mapping) -> str:
 
     core = summary.get(CORE, {}).get("parameters", {})
 
-    def holds(parameters: Mapping, overrides: Mapping) -> bool:  # an absent key has the engine's default
-        def default(key: str) -> str:
-            value = getattr(EngineConfig, key)
-            return ("on" if value else "off") if isinstance(value, bool) else str(value)
+    def default(key: str) -> str:  # an absent key has the engine's default
+        value = getattr(EngineConfig, key)
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
-        return all(parameters.get(k, default(k)).strip() == v for k, v in overrides.items())
+    def settings(parameters: Mapping, table: Mapping) -> dict:  # the keys any design of table sets
+        return {k: parameters.get(k, default(k)).strip() for overrides in table.values() for k in overrides}
 
-    for design, overrides in FRONT_OVERRIDES.items():
-        if holds(front, overrides):
+    actual = (settings(front, FRONT_OVERRIDES), settings(core, CORE_OVERRIDES))
+    for design in DESIGNS:  # the one design whose every setting matches, defaults included
+        if design == "single":
+            continue
+        wanted = tuple({**settings({}, table), **table.get(design, {})} for table in (FRONT_OVERRIDES, CORE_OVERRIDES))
+        if actual == wanted:
             return design
-    # the design with the most overrides that all hold (a combined design before its parts)
-    for design, overrides in sorted(CORE_OVERRIDES.items(), key=lambda item: -len(item[1])):
-        if holds(core, overrides):
-            return design
-    return "pipeline"
+    return "pipeline-custom"  # settings of no one design (several overrides, or other values)
 
 
 # ---------------------------------------------------------------------------- perf_analyzer

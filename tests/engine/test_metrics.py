@@ -62,10 +62,15 @@ def test_graph_captures_are_published_as_deltas():
     assert metrics.cache[("miss", "gpu")].value == 3 and metrics.cache[("hit", "gpu")].value == 0
 
 
-def test_without_graphs_the_capture_counters_stay_at_zero():
+def test_an_engine_without_graphs_publishes_its_cache_and_leaves_the_graph_counters():
+    """On the CPU (no CUDA graphs) the engine has graphs None: publishing must still carry the
+    cache counters, and graph counters once published are neither reset nor counted again."""
     metrics = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "0"})
-    engine = _engine()
+    engine = _engine({"replays": 0, "captures": 3, "eager": 0, "capture_seconds": 0.25})
+    metrics.publish(engine)
+    engine.graphs = None
     engine.store.events[("hit", "host")] = 5
     metrics.publish(engine)
-    assert metrics.captures.value == 0 and metrics.capture_seconds.value == 0
+    metrics.publish(engine)
+    assert (metrics.captures.value, metrics.capture_seconds.value) == (3, 0.25)
     assert metrics.cache[("hit", "host")].value == 5 and metrics.resident["host"].value == 1

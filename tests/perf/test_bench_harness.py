@@ -703,3 +703,30 @@ def test_bench_repository_front_inflight_goes_to_the_front(tmp_path, engine_para
     assert "front_inflight" not in _params(_parse_config(repo / "gliner2_core" / "config.pbtxt"))
     plain = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
     assert "front_inflight" not in _params(_parse_config(plain / "gliner2" / "config.pbtxt")), "the committed 1"
+
+
+def test_design_of_names_only_a_design_whose_every_setting_matches(tmp_path, engine_params):
+    """A front override and a core override together, or a front_inflight no design sets, are
+    no design of the list: 'pipeline-custom', never the name of one of the two arms."""
+
+    def design(name: str, edit=None, **layout) -> str:
+        repo = bench_server.bench_repository(tmp_path / name, engine_params, bench_server.Layout(**layout))
+        if edit:
+            edit(repo)
+        return bench_server.design_of(bench_server.repository_summary(repo))
+
+    def attention_off(repo):
+        path = repo / "gliner2_core" / "config.pbtxt"
+        config = _parse_config(path)
+        config.parameters["fused_attention"].string_value = "off"
+        from google.protobuf import text_format
+
+        path.write_text(text_format.MessageToString(config))
+
+    assert design("inflight", design="pipeline-inflight") == "pipeline-inflight"
+    assert design("both", attention_off, design="pipeline-inflight") == "pipeline-custom"
+    assert design("eight", design="pipeline", front_inflight=8) == "pipeline-custom"
+    assert design("eight-eager", design="pipeline-eager-attention", front_inflight=8) == "pipeline-custom"
+    assert design("four", design="pipeline", front_inflight=4) == "pipeline-inflight"
+    with pytest.raises(ValueError, match="both set front_inflight"):
+        design("conflict", design="pipeline-inflight", front_inflight=2)
