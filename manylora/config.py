@@ -142,7 +142,7 @@ class EngineConfig:
     # H200 in session 13 (same call, 16 fronts, 1,024 adapters): at 70% of saturation p95 base 165 -> 83 ms,
     # LoRA 200 -> 139 ms. Not the default: when a front's stub dies, its batches in flight wait for the
     # model's reload instead of failing at once (Triton 2.51's Python backend does not fail the requests a
-    # dead stub was answering through response senders; tests/e2e/test_soak_faults.py saw it in CI)
+    # dead stub was answering through response senders; tests/e2e/test_soak_faults.py failed with it)
     front_inflight: int = 1
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -153,13 +154,12 @@ class CallDeadline:
     included (a dead stub's new calls fail at once), shows that calls no longer hang: the count
     starts again from 0, and the calls stranded before stay on their threads uncounted (those of
     a dead stub never return). Callers in flight together can each pass the check, so the count
-    may exceed its bound by as many. A thread per call costs ~0.13 ms (this repository's 2-core
-    CPU host), against ~1 ms of the front's own host time per request.
+    may exceed its bound by as many. A thread per call costs ~0.13 ms of host time (this
+    repository's 2-core CPU host, ``perf/bench_host_steps.py``: ~8 us per row of 16-row
+    batches), against ~0.25 ms of the front's own pre and post per row.
     """
 
     def __init__(self, seconds: float, limit: int = 4):
-        import threading
-
         self.seconds, self.limit = seconds, limit
         self._lock = threading.Lock()
         self.stranded = 0  # calls past their deadline, since the last call answered in time
@@ -167,8 +167,6 @@ class CallDeadline:
         self._next_probe = 0.0
 
     def call(self, fn):
-        import threading
-
         with self._lock:
             if self.stranded >= self.limit:
                 now = time.monotonic()
@@ -382,7 +380,6 @@ class TritonModelHandler:
 
     def start_inflight(self, batches: int) -> None:
         """front_inflight > 1: up to ``batches`` batches of this instance in the GPU stage at once."""
-        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(max_workers=batches, thread_name_prefix="manylora-front")
@@ -502,6 +499,12 @@ class TritonModelHandler:
 
         pb = self.pb_utils
         try:
+            if isinstance(answer, TimeoutError):  # CallDeadline: the stage is slow, frozen or dead
+                raise RequestError(
+                    UNAVAILABLE,
+                    f"the GPU stage did not answer: {answer} (core_timeout); retry later; if every request"
+                    " gets this, gliner2_core's stub has probably died: unload and load gliner2_core",
+                )
             if isinstance(answer, BaseException):
                 raise RequestError(UNAVAILABLE, f"the GPU stage could not be reached: {answer}")
             if answer.has_error():
@@ -590,7 +593,6 @@ class CoreModelHandler(TritonModelHandler):
     def start_overlap(self) -> None:
         """Start the GPU and answer threads (finalize stops them)."""
         import queue
-        import threading
 
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: queue.SimpleQueue = queue.SimpleQueue()

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from manylora.config import EngineConfig
     from manylora.demo import demo_texts
     from manylora.engine import Engine, Request
-    from manylora.serving import CoreModelHandler, TritonModelHandler
+    from manylora.serving import CallDeadline, CoreModelHandler, TritonModelHandler
 
     engine = Engine(EngineConfig.from_parameters({"checkpoint": str(args.checkpoint)}))
     core = CoreModelHandler.__new__(CoreModelHandler)
@@ -88,8 +88,13 @@ def main(argv=None) -> int:
         finish = engine.compact_begin(chunk, batch, states, slots)
 
     requests_in = [Request(t, schema) for t in texts]
+    deadline = CallDeadline(20.0)
     steps = {
         "front: pre (Preprocessor.prepare)": lambda: [engine.pre.prepare(i, r) for i, r in enumerate(requests_in)],
+        # the thread each front batch's BLS call runs on (core_timeout), here around a no-op call
+        "front: the GPU-stage call's deadline (CallDeadline.call, one per 16 rows)": lambda: [
+            deadline.call(lambda: None) for _ in requests
+        ],
         "front: post (PostDecoder.decode)": lambda: [
             engine.post.decode(row, q.record, q.metadata, 0.5) for q, row in zip(prepared, answers)
         ],
