@@ -100,15 +100,20 @@ def expand(
     backend: str = "triton",
     accumulate: bool = True,
     bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
+    residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
+    gelu: bool = False,  # exact GELU of the updated row (accumulate)
 ) -> torch.Tensor:
     """y[t, y_offset:+H_out] += scales[slot] · v[t, :rank] @ lora_b[slot, :, :rank]ᵀ; slot -1 rows
-    untouched. With accumulate=False the rows are written (= bias + the update), y never read."""
+    untouched. With accumulate=False the rows are written (= bias + the update), y never read.
+    ``residual`` / ``gelu``: the layer's next elementwise pass on the updated rows (sgmv_expand)."""
     _check_backend(backend)
     if backend == "torch":
-        return sgmv_expand_ref(v, lora_b, scales, meta, y, ranks, y_offset, accumulate, bias)
+        return sgmv_expand_ref(v, lora_b, scales, meta, y, ranks, y_offset, accumulate, bias, residual, gelu)
     from .sgmv_expand import sgmv_expand
 
-    return sgmv_expand(v, lora_b, scales, meta, y, ranks, y_offset, accumulate=accumulate, bias=bias)
+    return sgmv_expand(
+        v, lora_b, scales, meta, y, ranks, y_offset, accumulate=accumulate, bias=bias, residual=residual, gelu=gelu
+    )
 
 
 def lora_apply(
@@ -124,17 +129,20 @@ def lora_apply(
     v: torch.Tensor | None = None,  # scratch [T, >= R_max]; fp32 [T, R_max] is allocated if None
     accumulate: bool = True,
     bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
+    residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
+    gelu: bool = False,  # exact GELU of the updated row (accumulate)
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0:
             y[t, y_offset : y_offset + H_out] += scales[s] * (x[t] @ lora_a[s]ᵀ) @ lora_b[s]ᵀ
-        (with accumulate=False: = bias + that update, y never read). Rows of slot -1 are left untouched.
+        (with accumulate=False: = bias + that update, y never read), then the epilogue
+        (``residual``, ``gelu``; see sgmv_expand). Rows of slot -1 are left untouched.
     Mutates y (and the scratch v) in place; returns y.
     """
     if v is None:
         v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     shrink(x, lora_a, meta, v, ranks, backend)
-    return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend, accumulate, bias)
+    return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend, accumulate, bias, residual, gelu)
 
 
 def relpos_bias(

@@ -64,16 +64,20 @@ def sgmv_expand_ref(
     y_offset: int = 0,
     accumulate: bool = True,
     bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
+    residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
+    gelu: bool = False,  # exact GELU of the updated row (accumulate)
 ) -> torch.Tensor:
     """Semantics (same as sgmv_expand):
         for each token t with slot s = slot(t) >= 0, r = rank(s):
             y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
         or, with accumulate=False, = bias (0 if None) + the same update;
-        rows of slot -1 are left untouched.
+        then, rounded to y's dtype, + residual[t] and / or the exact GELU, each rounded (torch's
+        own add and gelu on the stored row); rows of slot -1 are left untouched.
     Updates y in place and returns it.
     """
     h_out, r_max = lora_b.shape[1], lora_b.shape[2]
     assert bias is None or not accumulate, "bias is only added when writing (accumulate=False)"
+    assert (residual is None and not gelu) or accumulate, "epilogues (residual, gelu) need accumulate=True"
     ranks_host = None if ranks is None else ranks.tolist()
     scales_host = scales.tolist()
     y_cols = y[:, y_offset : y_offset + h_out]
@@ -87,7 +91,12 @@ def sgmv_expand_ref(
             before = y_rows.float()
         else:
             before = torch.zeros(h_out, device=y.device) if bias is None else bias.float()
-        y_rows.copy_((before + scales_host[slot] * delta).to(y.dtype))
+        out = (before + scales_host[slot] * delta).to(y.dtype)
+        if residual is not None:
+            out = out + residual[start:end]
+        if gelu:
+            out = torch.nn.functional.gelu(out)
+        y_rows.copy_(out)
     return y
 
 

@@ -14,6 +14,14 @@ added to y in fp32 and rounded once on store.
 y may be a column slice of a wider output (fused q/k/v): pass the wide y and y_offset,
 or a strided view; each row of the slice must be contiguous.
 
+Epilogues (accumulate mode only): the layer's next elementwise pass, done on the tile while it
+is in registers instead of as another read and write of y. ``residual`` adds a tensor after the
+update (DeBERTa's ``dense(x) + input`` before its LayerNorm), ``gelu`` applies the exact (erf)
+GELU (DeBERTa's intermediate activation). Each step rounds to y's dtype as the separate torch
+passes do: ``round(round(y + update) + residual)``, ``round(gelu(round(y + update)))``. They
+are exact only where every row of y has an adapter (rows of slot -1 get no tile, so no
+epilogue): the caller checks that (``LoraBatch.fuses_epilogue``).
+
 Mixed ranks: with `ranks` given, rank columns r >= rank(slot) of v and B are masked out
 of the loads (no bandwidth spent on padding). BLOCK_R is max(16, pow2 >= max rank)
 because tl.dot needs K >= 16.
@@ -38,6 +46,7 @@ def _sgmv_expand_kernel(
     scales_ptr,  # fp32 [num_slots]
     ranks_ptr,  # int32 [num_slots] (unused unless HAS_RANKS)
     bias_ptr,  # [H_out] added when writing (unused unless HAS_BIAS)
+    res_ptr,  # [T, H_out] added after the update (unused unless HAS_RESIDUAL)
     tiles_ptr,  # int32 [1 + 3 * tile_cap]: num_tiles, then (slot, start, end) per tile (meta.py)
     # sizes
     h_out,
@@ -48,6 +57,7 @@ def _sgmv_expand_kernel(
     stride_b_slot,
     stride_b_h,
     stride_y_t,
+    stride_res_t,
     # meta-parameters
     BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
     BLOCK_N: tl.constexpr,  # output columns per program
@@ -56,6 +66,8 @@ def _sgmv_expand_kernel(
     HAS_RANKS: tl.constexpr,  # mask rank columns r >= ranks[slot]
     ACCUMULATE: tl.constexpr,  # y += update (read-modify-write); else y = bias + update (write only)
     HAS_BIAS: tl.constexpr,  # only when writing
+    HAS_RESIDUAL: tl.constexpr,  # y = round(round(y + update) + residual); accumulate mode
+    GELU: tl.constexpr,  # y = round(gelu(round(y + update))), exact erf GELU; accumulate mode
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights, else "tf32" (ignored for 16-bit)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the CPU interpreter multiplies bf16 as raw bits
 ):
@@ -102,6 +114,12 @@ def _sgmv_expand_kernel(
             out += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
         elif HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:  # rounded first, as y would be stored before torch's add
+            res = tl.load(res_ptr + rows * stride_res_t + offs_n[None, :], mask=y_mask, other=0.0)
+            out = out.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
+        if GELU:  # rounded first, as y would be stored before torch's gelu (computed in fp32)
+            out = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = 0.5 * out * (1.0 + tl.math.erf(out * 0.7071067811865476))
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -116,6 +134,8 @@ def sgmv_expand(
     config: dict | None = None,  # forced launch config (tests, tuning); None = table lookup
     accumulate: bool = True,
     bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
+    residual: torch.Tensor | None = None,  # [T, H_out], y's dtype; added after the update (accumulate)
+    gelu: bool = False,  # exact GELU of the updated row (accumulate)
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0, r = rank(s):
@@ -125,6 +145,8 @@ def sgmv_expand(
             y[t, y_offset : y_offset + H_out] = bias + scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
         (bias None: 0), so that the base GEMM can add itself afterwards in its epilogue.
         Rows of slot -1 (no adapter) are left untouched, as are all other columns of y.
+        With ``residual`` the updated row, rounded to y's dtype, gets residual[t] added; with
+        ``gelu`` it goes through the exact GELU (rounded first too); see the module docstring.
     Mutates y in place and returns it. Every adapter's rank must be <= meta.max_rank when
     that is set. v and y may be strided views with unit stride on their last axis.
     """
@@ -157,6 +179,11 @@ def sgmv_expand(
     assert bias is None or (not accumulate and bias.shape == (h_out,) and bias.stride(0) == 1), (
         f"bias [H_out={h_out}] (contiguous) is only added when writing (accumulate=False)"
     )
+    assert (residual is None and not gelu) or accumulate, "epilogues (residual, gelu) need accumulate=True"
+    assert residual is None or (
+        residual.shape == (num_tokens, h_out) and residual.stride(1) == 1 and residual.dtype == y.dtype
+    ), f"residual must be [T={num_tokens}, H_out={h_out}] of {y.dtype} with unit stride on H_out"
+    assert residual is None or residual.device == y.device, "residual and y must share a device"
     rank_cap = min(r_max, meta.max_rank or r_max)
     block_r = rank_block(rank_cap)
     assert block_r <= 128, f"rank tile {block_r} > 128 is not supported"
@@ -172,6 +199,7 @@ def sgmv_expand(
         scales,
         tiles.packed if ranks is None else ranks,  # any int32 pointer when HAS_RANKS is off
         y if bias is None else bias,  # any pointer when HAS_BIAS is off
+        y if residual is None else residual,  # any pointer when HAS_RESIDUAL is off
         tiles.packed,
         h_out,
         rank_cap,
@@ -180,6 +208,7 @@ def sgmv_expand(
         lora_b.stride(0),
         lora_b.stride(1),
         y.stride(0),
+        0 if residual is None else residual.stride(0),
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"],
         BLOCK_R=block_r,
@@ -187,6 +216,8 @@ def sgmv_expand(
         HAS_RANKS=ranks is not None,
         ACCUMULATE=accumulate,
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        GELU=gelu,
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=y.device.type == "cpu",
         num_warps=config["num_warps"],

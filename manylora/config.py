@@ -161,6 +161,10 @@ class EngineConfig:
     # H200, same call, tree of 88ad5fc, 16 fronts, c=1,024: base 5,132 -> 5,599 req/s, 1,024 adapters
     # 4,027 -> 4,179; LoRA p95 at 70% of saturation 302 -> 166 ms (perf/README.md, session 13)
     fused_attention: bool = True
+    # GPU stage: DeBERTa's residual adds and GELU inside the LoRA expand of batches whose every row
+    # has an adapter (LoraBatch.fuses_epilogue): a [tokens, 3,072] and two [tokens, 768] read-and-write
+    # passes fewer per layer
+    fused_lora_epilogue: bool = False
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     # pipeline front: seconds one batch waits for the GPU stage's answer. Without it a GPU-stage
     # stub that dies holding batches leaves the fronts waiting forever (seen on the CPU: every
@@ -261,6 +265,13 @@ class EngineConfig:
             "(kernels/disattn.py: no [rows, heads, L, L] bias tensor, padding keys skipped; checked against "
             "the eager attention at load; default); 'off' writes the bias and runs "
             "scaled_dot_product_attention",
+        ),
+        "fused_lora_epilogue": (
+            _on_off,
+            False,
+            "GPU stage: 'on' adds DeBERTa's residuals and applies its GELU inside the LoRA expand kernel of "
+            "batches whose every row has an adapter (the same roundings as the separate passes); 'off' "
+            "(default) runs them as their own passes",
         ),
         "core_timeout": (
             _seconds,

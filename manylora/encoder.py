@@ -79,15 +79,31 @@ class AdapterLinear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor, lora: Optional["LoraBatch"] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        lora: Optional["LoraBatch"] = None,
+        residual: Optional[torch.Tensor] = None,
+        gelu: bool = False,
+    ) -> torch.Tensor:
+        """``x Wᵀ + b`` with each token's LoRA update, then ``+ residual`` and / or the exact GELU
+        (DeBERTa's next elementwise pass): inside the LoRA expand where the batch allows it
+        (``LoraBatch.fuses_epilogue``), else as torch's own add and gelu."""
+        if lora is not None and (residual is not None or gelu) and x.dim() == 2 and lora.fuses_epilogue(self.name):
+            y = F.linear(x, self.weight, self.bias)
+            lora.apply(self.name, x, y, residual=residual, gelu=gelu)  # y = gelu(y + update [+ residual])
+            return y
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
             lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
-            return y.addmm_(x, self.weight.t())  # + x Wᵀ, y read in the GEMM's epilogue
-        y = F.linear(x, self.weight, self.bias)
-        if lora is not None:
-            lora.apply(self.name, x, y)
-        return y
+            y.addmm_(x, self.weight.t())  # + x Wᵀ, y read in the GEMM's epilogue
+        else:
+            y = F.linear(x, self.weight, self.bias)
+            if lora is not None:
+                lora.apply(self.name, x, y)
+        if residual is not None:
+            y = y + residual
+        return F.gelu(y) if gelu else y
 
     @classmethod
     def from_linear(cls, name: str, linear: nn.Linear) -> "AdapterLinear":
@@ -231,6 +247,8 @@ class EncoderLayer(nn.Module):
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[geometry.hidden_act]
+        # transformers' "gelu" is torch's exact (erf) GELU, the one the LoRA expand can apply
+        self.exact_gelu = geometry.hidden_act == "gelu"
 
     def project_positions(self, rel_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Base (no-adapter) projections of the normalised position table."""
@@ -275,9 +293,12 @@ class EncoderLayer(nn.Module):
         else:
             ctx = _eager_attention(q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, inv_scale, heads, backend)
 
-        attn = F.layer_norm(self.attn_out(ctx, lora) + flat, (hidden,), *self.attn_norm, g.layer_norm_eps)
-        inter = self.act(self.ffn_in(attn, lora))
-        out = F.layer_norm(self.ffn_out(inter, lora) + attn, (hidden,), *self.ffn_norm, g.layer_norm_eps)
+        attn = F.layer_norm(self.attn_out(ctx, lora, residual=flat), (hidden,), *self.attn_norm, g.layer_norm_eps)
+        if self.exact_gelu:  # the activation may ride in ffn_in's LoRA expand
+            inter = self.ffn_in(attn, lora, gelu=True)
+        else:
+            inter = self.act(self.ffn_in(attn, lora))
+        out = F.layer_norm(self.ffn_out(inter, lora, residual=attn), (hidden,), *self.ffn_norm, g.layer_norm_eps)
         return out.view(batch, length, hidden)
 
 
@@ -340,6 +361,9 @@ class Encoder(nn.Module):
         self.fused_attention = False
         # LoRA update written before the base GEMM when every row has an adapter (LoraBatch.writes_first)
         self.lora_write_first = True
+        # DeBERTa's residual adds and GELU inside the LoRA expand when every row has an adapter
+        # (the engine's fused_lora_epilogue; LoraBatch.fuses_epilogue)
+        self.lora_fuse_epilogue = False
         # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
         self.position_modules = [
             name

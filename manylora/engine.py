@@ -148,6 +148,7 @@ class Engine:
         self.encoder = encoder.to(device=self.device, dtype=self.dtype).eval()
         self.encoder.backend = config.backend
         self.encoder.fused_attention = config.fused_attention and config.backend == "triton"
+        self.encoder.lora_fuse_epilogue = config.fused_lora_epilogue
         self.model = model.to(device=self.device, dtype=self.dtype)
         if self.heads.span_kernel:  # an opt-in kernel: on a GPU it has not met, refuse rather than misanswer
             problem = check_span_kernel(self.model)
@@ -431,6 +432,7 @@ class Engine:
                 targets,
                 self.config.backend,
                 self.encoder.lora_write_first,
+                self.encoder.lora_fuse_epilogue,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

@@ -130,11 +130,13 @@ class StaticLoraBatch(LoraBatch):
         backend: str,
         write_first: bool,
         max_rank: int,
+        fuse_epilogue: bool = False,
     ):
         self.store = store
         self.backend = backend
         self.targets = set(targets)
         self.write_first = write_first
+        self.fuse_epilogue = fuse_epilogue  # fixed at capture: the key says every row has an adapter
         self.builder = meta_builder
         self.rows, self.row_len, self.max_rank = rows, row_len, max_rank
         device = store.device
@@ -205,18 +207,22 @@ class EncoderGraphs:
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_seconds": 0.0}
         self._lock = threading.Lock()
 
-    def key(self, rows: int, length: int, targets, max_rank: Optional[int]) -> Optional[tuple]:
-        """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention); None: no
-        graph for this shape. The encoder's ``fused_attention`` is in the key, so that turning it
-        on or off (an A/B on one engine) replays graphs of its own attention."""
+    def key(self, rows: int, length: int, targets, max_rank: Optional[int], covered: bool = False) -> Optional[tuple]:
+        """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention, fused
+        LoRA epilogue); None: no graph for this shape. The encoder's ``fused_attention`` is in the
+        key, so that turning it on or off (an A/B on one engine) replays graphs of its own
+        attention; so is the LoRA epilogue (``LoraBatch.fuses_epilogue``), on when the encoder's
+        ``lora_fuse_epilogue`` is and every row has an adapter (``covered``): a padding row takes
+        the last real row's slot, so a covered batch stays covered."""
         shape = graph_shape(rows, length, self.max_tokens, self.max_length)
         if shape is None:
             return None
         bucket, padded = shape
         fused = bool(self.encoder.fused_attention)
         if not targets:
-            return (bucket, padded, None, 0, fused)
-        return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank), fused)
+            return (bucket, padded, None, 0, fused, False)
+        epilogue = bool(covered and self.encoder.lora_fuse_epilogue)
+        return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank), fused, epilogue)
 
     def padded_tokens(self, rows: int, length: int) -> int:
         """Tokens the encoder computes for ``rows`` x ``length``: a graph's padded shape, else that."""
@@ -235,7 +241,7 @@ class EncoderGraphs:
                 if rows > max_rows:
                     break
                 for length in LENGTH_BUCKETS:
-                    key = self.key(rows, length, targets, max_rank)
+                    key = self.key(rows, length, targets, max_rank, covered=bool(targets))
                     if key is None or key in self.graphs or key in self.eager:
                         continue
                     if len(self.graphs) >= self.max_graphs:
@@ -256,7 +262,7 @@ class EncoderGraphs:
     ) -> Optional[torch.Tensor]:
         """The encoder's hidden states [rows, length, H] through a graph; None: this shape runs eagerly."""
         rows, length = input_ids.shape
-        key = self.key(rows, length, targets, max_rank)
+        key = self.key(rows, length, targets, max_rank, covered=all(s >= 0 for s in slot_per_row))
         if key is None or key in self.eager:
             self.stats["eager"] += 1
             return None
@@ -295,14 +301,16 @@ class EncoderGraphs:
         return flat
 
     def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
-        rows, length, targets, rank_tile, _ = key
+        rows, length, targets, rank_tile, _, epilogue = key
         started = time.perf_counter()
         lora = None
         if targets is not None:
             # the update after the base GEMM (not written first): one graph per shape serves batches
             # with and without base rows; at these sizes the saved pass over y is not measurable
             backend = self.encoder.backend or "triton"
-            lora = StaticLoraBatch(self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile)
+            lora = StaticLoraBatch(
+                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue
+            )
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:
             self._fill(graph, input_ids, attention_mask, slot_per_row)

@@ -124,6 +124,19 @@ def main(argv=None) -> int:
         set_attention(False)
         ab_lines.append("fused_attention on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
         ab_lines.append(interleaved_ab("fused_attention", engine, items, sync, args.repeats, set_attention, attention))
+
+    def set_epilogue(on: bool) -> None:  # its own graphs (the flag is in their key)
+        engine.encoder.lora_fuse_epilogue = on
+
+    if names:  # the LoRA expand's residual / GELU epilogue (fused_lora_epilogue): batches with adapters only
+        epilogue = engine.encoder.lora_fuse_epilogue
+        set_epilogue(True)  # the first run with it (graph captures) is not timed
+        fused = engine.run_core(items)
+        set_epilogue(False)
+        ab_lines.append("fused_lora_epilogue on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
+        ab_lines.append(
+            interleaved_ab("fused_lora_epilogue", engine, items, sync, args.repeats, set_epilogue, epilogue)
+        )
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)

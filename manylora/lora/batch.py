@@ -43,6 +43,7 @@ class LoraBatch:
         targets: set[str],
         backend: str,
         write_first: bool = True,
+        fuse_epilogue: bool = False,
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -52,6 +53,9 @@ class LoraBatch:
         # every row has an adapter: a target's output can be written as bias + update first, and
         # the base GEMM add itself in its epilogue (see writes_first)
         self.write_first = write_first and len(used) == len(slot_per_row) > 0
+        # every row has an adapter: the expand can also do the layer's next elementwise pass (see
+        # fuses_epilogue); rows of slot -1 get no SGMV tile, so no epilogue either
+        self.fuse_epilogue = fuse_epilogue and len(used) == len(slot_per_row) > 0
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -85,6 +89,13 @@ class LoraBatch:
         Only when every row has an adapter (rows of slot -1 are not written)."""
         return self.write_first and name in self.targets
 
+    def fuses_epilogue(self, name: str) -> bool:
+        """Whether ``name``'s update may carry the layer's next elementwise pass (``apply``'s
+        ``residual`` / ``gelu``): the engine's ``fused_lora_epilogue`` and every row with an
+        adapter, so that every row of y gets a tile. The pass then costs no read and write of y of
+        its own: for GLiNER2-base's ffn_in, a [tokens, 3,072] GELU."""
+        return self.fuse_epilogue and name in self.targets
+
     def apply(
         self,
         name: str,
@@ -92,9 +103,13 @@ class LoraBatch:
         y: torch.Tensor,
         accumulate: bool = True,
         bias: Optional[torch.Tensor] = None,
+        residual: Optional[torch.Tensor] = None,
+        gelu: bool = False,
     ) -> None:
         """y += each token's scale * (x A^T) B^T for its row's adapter (in place); with
-        ``accumulate=False``, y = bias + that update (y is not read)."""
+        ``accumulate=False``, y = bias + that update (y is not read). ``residual`` / ``gelu``:
+        then + residual and / or the exact GELU, rounded as torch's own passes (only where
+        ``fuses_epilogue``)."""
         if name not in self.targets:
             return
         store = self.store
@@ -111,6 +126,8 @@ class LoraBatch:
             v=v,
             accumulate=accumulate,
             bias=bias,
+            residual=residual,
+            gelu=gelu,
         )
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,

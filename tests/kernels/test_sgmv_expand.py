@@ -187,3 +187,52 @@ def test_bias_only_when_writing(device, backend):
     v, y = torch.zeros(8, 16, device=device), torch.zeros(8, 32, device=device)
     with pytest.raises(AssertionError, match="bias"):
         expand(v, lora_b, scales, meta, y, backend=backend, accumulate=True, bias=torch.zeros(32, device=device))
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "gelu", "both"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h_out,y_offset,y_width", [(200, 0, 200), (37, 13, 101)], ids=["even", "odd_slice"])
+def test_epilogue_equals_the_separate_passes(device, dtype, epilogue, h_out, y_offset, y_width):
+    """The residual add and the exact GELU inside the expand give what the update followed by
+    torch's own add and gelu give (each step rounded to y's dtype), against the float32
+    definition; rows of slot -1 and the columns outside the slice stay as they were."""
+    gen = torch.Generator().manual_seed(13)
+    slots = make_slot_per_token("uniform", 150, NUM_SLOTS, True, gen)
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, h_out, dtype, device, gen)
+    v = torch.randn(len(slots), 16, generator=gen).to(device)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    residual = torch.randn(len(slots), h_out, generator=gen).to(device, dtype) if epilogue != "gelu" else None
+    gelu = epilogue != "residual"
+    y_before = torch.randn(len(slots), y_width, generator=gen).to(device, dtype)
+    got, want = y_before.clone(), y_before.clone()
+    sgmv_expand(v, lora_b, scales, meta, got, None, y_offset, residual=residual, gelu=gelu)
+    sgmv_expand_ref(v, lora_b, scales, meta, want, None, y_offset, residual=residual, gelu=gelu)
+    assert_close(got, want, dtype)
+    adapted = torch.tensor(slots, device=device) >= 0
+    slot_index = torch.tensor(slots, device=device).clamp(min=0)
+    update = torch.einsum("tr,tor->to", v.float(), lora_b[slot_index].float()) * scales[slot_index, None]
+    defined = (y_before[:, y_offset : y_offset + h_out].float() + update).to(dtype)  # the stored row
+    if residual is not None:
+        defined = defined + residual
+    if gelu:
+        defined = torch.nn.functional.gelu(defined)
+    assert_close(got[adapted, y_offset : y_offset + h_out], defined[adapted], dtype)
+    assert torch.equal(got[~adapted], y_before[~adapted]), "rows of slot -1 must stay untouched"
+    outside = torch.ones(y_width, dtype=torch.bool, device=device)
+    outside[y_offset : y_offset + h_out] = False
+    assert torch.equal(got[:, outside], y_before[:, outside]), "columns outside the slice must stay untouched"
+    if gelu:  # the activation really ran: GELU never goes below about -0.17
+        assert got[adapted, y_offset : y_offset + h_out].float().min() > -0.2
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_epilogue_only_when_accumulating(device, backend):
+    """Both backends refuse an epilogue in write mode (the base GEMM adds itself after it there)."""
+    from manylora.kernels import expand
+
+    slots = [0] * 8
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, 32, torch.float32, device, torch.Generator().manual_seed(1))
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    v, y = torch.zeros(8, 16, device=device), torch.zeros(8, 32, device=device)
+    with pytest.raises(AssertionError, match="epilogue"):
+        expand(v, lora_b, scales, meta, y, backend=backend, accumulate=False, gelu=True)

@@ -179,6 +179,80 @@ def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adap
     assert with_base_modes and all(with_base_modes), "a row without an adapter: the update goes after the GEMM"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_epilogue_equals_the_separate_passes(tiny_checkpoint, demo_adapters, monkeypatch, backend):
+    """Every row with an adapter: DeBERTa's residual adds and GELU run inside the LoRA expand
+    (fused_lora_epilogue, LoraBatch.fuses_epilogue). Same encoder states and answers as the
+    separate passes, and the epilogues really ran; with one base row they do not."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    import torch
+
+    from manylora import kernels
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
+    engine = Engine(
+        EngineConfig.from_parameters({**values, "dtype": "float32", "kernel_backend": backend}, device=device)
+    )
+    engine.graphs = None  # every forward runs eagerly: a replayed graph would not record its launches
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", "enc-r8"]
+    schema = json.dumps(demo_schemas()[0])
+    texts = demo_texts(len(names), seed=29, min_words=10, max_words=30)
+    requests = [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)]
+    epilogues = []
+    apply = kernels.lora_apply
+    monkeypatch.setattr(
+        kernels,
+        "lora_apply",
+        lambda *a, **k: epilogues.append((k.get("residual") is not None, k.get("gelu", False))) or apply(*a, **k),
+    )
+
+    def run(fused: bool, batch):
+        engine.encoder.lora_fuse_epilogue = fused
+        epilogues.clear()
+        with torch.inference_mode():
+            (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(batch)])
+            states = engine.forward(list(chunk))[1]
+        return states, engine.run(batch), list(epilogues)
+
+    fused, fused_answers, fused_calls = run(True, requests)
+    separate, separate_answers, separate_calls = run(False, requests)
+    layers = len(engine.encoder.layers)
+    assert fused_calls.count((True, False)) >= 2 * layers, "attention output and FFN output carry the residual"
+    assert fused_calls.count((False, True)) >= layers, "the intermediate dense carries the GELU"
+    assert separate_calls and not any(r or g for r, g in separate_calls)
+    torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-5)
+    diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(fused_answers, separate_answers)]
+    assert diffs == [[]] * len(requests)
+    with_base = requests[:-1] + [Request(texts[-1], schema, adapter="", include_confidence=True)]
+    with_base_calls = run(True, with_base)[2]
+    assert with_base_calls and not any(r or g for r, g in with_base_calls), "a base row: the passes run apart"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_epilogue_answers_equal_peft(tiny_checkpoint, demo_adapters, peft_reference, backend):
+    """A batch whose every row has an adapter, with the epilogue fused: every answer is GLiNER2 +
+    PEFT's with that adapter alone."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    import torch
+
+    device = "cuda:0" if torch.cuda.is_available() and backend == "triton" else "cpu"
+    names = ["enc-r4", "enc-heads-r16", "patterns-r12", "qv-r8"]
+    engine = _engine(
+        tiny_checkpoint,
+        next(iter(demo_adapters.values())).parent,
+        device,
+        kernel_backend=backend,
+        dtype="float32",
+        fused_lora_epilogue="on",
+    )
+    requests = [r for r in _mixed_requests(names, per_adapter=1, seed=31) if r.adapter]
+    got = engine.run(requests)
+    _check_against_peft(requests, got, demo_adapters, peft_reference)
+
+
 def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_checkpoint, demo_adapters, monkeypatch):
     """LoraBatch.prepare_positions (every position module's factors in a few launches, here in
     chunks of two modules) gives each module s·A·windowᵀ of its row groups' slots (float32
