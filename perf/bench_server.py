@@ -37,8 +37,9 @@ Designs (--design, several run one after the other, each with its own server):
   pipeline-inflight  the same with the fronts' front_inflight 4: each front hands its batch's
             GPU-stage call and decoding to a pool thread and takes its next batch meanwhile (the A/B
             of the fronts' blocking call)
-  pipeline-fused-epilogue  the same with gliner2_core's fused_lora_epilogue on: DeBERTa's residual
-            adds and GELU inside the LoRA expand of batches whose every row has an adapter (its A/B)
+  pipeline-unfused-epilogue  the same with gliner2_core's fused_lora_epilogue off: DeBERTa's
+            residual adds and GELU as their own passes instead of inside the LoRA expand (its A/B, on
+            by default since session 14)
   pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
             before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
@@ -89,7 +90,7 @@ DESIGNS = (
     "pipeline-eager-attention",
     "pipeline-inflight",
     "pipeline-small-graphs",
-    "pipeline-fused-epilogue",
+    "pipeline-unfused-epilogue",
     "single",
 )
 CORE_OVERRIDES = {
@@ -99,7 +100,7 @@ CORE_OVERRIDES = {
     "pipeline-unfused": {"fused_span_scores": "off"},
     "pipeline-eager-attention": {"fused_attention": "off"},
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
-    "pipeline-fused-epilogue": {"fused_lora_epilogue": "on"},
+    "pipeline-unfused-epilogue": {"fused_lora_epilogue": "off"},
 }
 # designs that change the front (gliner2) instead
 FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
