@@ -40,6 +40,9 @@ Designs (--design, several run one after the other, each with its own server):
   pipeline-unfused-epilogue  the same with gliner2_core's fused_lora_epilogue off: DeBERTa's
             residual adds and GELU as their own passes instead of inside the LoRA expand (its A/B, on
             by default since session 14)
+  pipeline-2x-fronts  the same with twice the fronts (2 x --front-instances): twice the batches in
+            the GPU stage at once with each front's blocking call (the alternative to front_inflight,
+            whose pool threads leave batches unanswered when a front's stub dies)
   pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
             before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
@@ -91,6 +94,7 @@ DESIGNS = (
     "pipeline-inflight",
     "pipeline-small-graphs",
     "pipeline-unfused-epilogue",
+    "pipeline-2x-fronts",
     "single",
 )
 CORE_OVERRIDES = {
@@ -104,6 +108,9 @@ CORE_OVERRIDES = {
 }
 # designs that change the front (gliner2) instead
 FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
+# designs that multiply the fronts' instance count (--front-instances, or the committed count);
+# a running server's design_of cannot tell them from "pipeline": its settings are the same
+FRONT_MULTIPLIERS = {"pipeline-2x-fronts": 2}
 # parameters the pipeline's front reads (manylora.serving.TritonModelHandler with core_model set)
 FRONT_KEYS = ("checkpoint", "max_request_tokens")
 STUB = "triton_python_backend_stub"
@@ -230,11 +237,15 @@ def bench_repository(dst: Path, params: Mapping[str, str], layout: Layout) -> Pa
             if "front_inflight" in FRONT_OVERRIDES.get(layout.design, {}):
                 raise ValueError(f"--front-inflight and --design {layout.design} both set front_inflight")
             front["front_inflight"] = str(layout.front_inflight)
+        fronts = layout.front_instances
+        if layout.design in FRONT_MULTIPLIERS:
+            committed = read_config(REPO / FRONT / "config.pbtxt").instance_group[0].count
+            fronts = (fronts or committed) * FRONT_MULTIPLIERS[layout.design]
         _write_model(
             dst,
             FRONT,
             front,
-            count=layout.front_instances,
+            count=fronts,
             kind="KIND_CPU",
             gpus="",
             max_batch=layout.front_max_batch,

@@ -655,6 +655,18 @@ def test_bench_repository_pipeline_inflight_sets_the_fronts_inflight_batches(tmp
     assert bench_server.design_of(bench_server.repository_summary(plain)) == "pipeline"
 
 
+def test_bench_repository_pipeline_2x_fronts_doubles_the_front_instances(tmp_path, engine_params):
+    def fronts(name: str, **layout) -> int:
+        repo = bench_server.bench_repository(tmp_path / name, engine_params, bench_server.Layout(**layout))
+        return _parse_config(repo / "gliner2" / "config.pbtxt").instance_group[0].count
+
+    committed = _parse_config(bench_server.REPO / "gliner2" / "config.pbtxt").instance_group[0].count
+    assert fronts("wide", design="pipeline-2x-fronts", front_instances=16) == 32
+    assert fronts("narrow", design="pipeline", front_instances=16) == 16
+    assert fronts("committed", design="pipeline-2x-fronts") == 2 * committed
+    assert fronts("plain", design="pipeline") == committed
+
+
 def test_call_stats_are_means_of_the_phase_from_both_instances():
     """The GPU stage's call histograms, read from Prometheus text before and after a phase:
     mean rows per call, call ms and queue ms of that phase alone, summed over instances."""
