@@ -243,18 +243,16 @@ class TritonModelHandler:
         self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
         self.engine = self.control = self.metrics = None
         if self.core_model:
-            from manylora.engine import load_gliner2
+            from manylora.engine import load_gliner2_skeleton
             from manylora.post import PostDecoder
             from manylora.pre import Preprocessor
 
             # pre and post need the processor (tokenizer) and the model's decoding settings,
-            # not its weights: drop them (a front instance holds no tensors of the model)
+            # not its weights: a front instance holds no tensors of the model
             torch.set_num_threads(1)
-            model = load_gliner2(config.checkpoint, "cpu", torch.float32)
+            model = load_gliner2_skeleton(config.checkpoint)
             self.post = PostDecoder.from_model(model)
             self.pre = Preprocessor(model, config.max_request_tokens)
-            for name, _ in list(model.named_children()):
-                setattr(model, name, None)
             logger.info("front of %s: pre and post here, the GPU stage in model %s", config.checkpoint, self.core_model)
             if config.front_inflight > 1:
                 self.start_inflight(config.front_inflight)

@@ -234,3 +234,23 @@ def test_schema_with_a_huge_integer_is_invalid_arg_not_internal(tiny_engine):
     with pytest.raises(RequestError) as info:
         tiny_engine.prepare(0, Request("Tim Cook runs Apple.", schema))
     assert info.value.code == "INVALID_ARG" and "not valid JSON" in info.value.message
+
+
+def test_a_fronts_skeleton_prepares_and_decodes_like_the_loaded_model(tiny_checkpoint, reference_model):
+    """A CPU front loads GLiNER2 on the meta device (no weights): its records, decoding
+    metadata and thresholds are those of the loaded model."""
+    import json
+
+    from manylora.client.protocol import Request
+
+    from manylora.engine import load_gliner2_skeleton
+    from manylora.pre import Preprocessor
+
+    skeleton = load_gliner2_skeleton(tiny_checkpoint)
+    assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    fronts = Preprocessor(skeleton, 512), Preprocessor(reference_model, 512)
+    for k, text in enumerate(TEXTS):
+        request = Request(text, json.dumps(demo_schemas()[k % len(demo_schemas())]), threshold=0.3 + 0.01 * k)
+        got, expected = (front.prepare(k, request) for front in fronts)
+        assert _fields(got.record) == _fields(expected.record), text
+        assert (got.metadata, got.num_tokens, got.t_min) == (expected.metadata, expected.num_tokens, expected.t_min)
