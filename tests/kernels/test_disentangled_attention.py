@@ -147,3 +147,44 @@ def test_launch_variants_match_the_reference(device, dtype, launch):
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(_real(got.float(), lengths, length), _real(want, lengths, length), atol=atol, rtol=rtol)
     assert bool(torch.isfinite(got.float()).all())
+
+
+@pytest.mark.parametrize("direction", ["rising", "falling"])
+@pytest.mark.parametrize(
+    "launch", [{"block_m": 64, "block_n": 64}, {"block_m": 32, "block_n": 64}], ids=["64x64", "32x64"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_gather_matches_the_reference(device, dtype, launch, direction):
+    """``tile_gather`` (each key tile's window of c2p / p2c read whole, its entries gathered in
+    registers) gives the reference's answers, for an index rising with j - i (this file's
+    cases) and falling (DeBERTa's, ``manylora.encoder._relative_index``), across query and key
+    tiles and with a row of one token."""
+    from manylora.kernels import unit_steps
+
+    batch, heads, length, head_dim, width, lengths = 3, 2, 100, 16, 72, [100, 1, 70]
+    q, k, v, c2p, p2c, rel_index, mask, key_bias = _case(batch, heads, length, head_dim, width, dtype, device, lengths)
+    if direction == "falling":
+        rel_index = rel_index.flip(0).contiguous()
+    assert unit_steps(rel_index.cpu())
+    scale = 1.0 / (3 * head_dim) ** 0.5
+    kv_len = key_lengths(mask)
+    got = disentangled_attention(
+        q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, batch, length, heads, tile_gather=True, **launch
+    )
+    want = disentangled_attention_ref(q, k, v, c2p, p2c, rel_index, key_bias, scale, batch, length, heads)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(_real(got.float(), lengths, length), _real(want, lengths, length), atol=atol, rtol=rtol)
+    plain = disentangled_attention(
+        q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, batch, length, heads, **launch
+    )
+    assert torch.equal(_real(got, lengths, length), _real(plain, lengths, length))  # the same loads, the same sums
+
+
+def test_unit_steps_tells_which_indexes_tile_gather_takes():
+    from manylora.kernels import unit_steps
+
+    from manylora.encoder import _relative_index
+
+    assert unit_steps(_relative_index(300, 256, 512, "cpu")[2])  # DeBERTa-v3's buckets, log part included
+    assert not unit_steps(torch.tensor([0, 1, 3], dtype=torch.int32))  # a step of 2
+    assert not unit_steps(torch.tensor([0, 1, 0], dtype=torch.int32))  # not monotone
