@@ -189,7 +189,6 @@ def disentangled_attention(
     batch: int,
     length: int,
     heads: int,
-    tile_gather: bool = False,
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale + bias)·v per (row, head), bias as relpos_bias gives it, [B*L, h*d];
     query positions at or past kv_len are padding (0 or the attention's value). Triton only
@@ -197,18 +196,7 @@ def disentangled_attention(
     reference."""
     from .disattn import disentangled_attention as kernel
 
-    return kernel(q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, batch, length, heads, tile_gather=tile_gather)
-
-
-def unit_steps(rel_index: torch.Tensor) -> bool:
-    """Whether ``rel_index`` (on the host) is monotone with steps of at most 1, what
-    ``tile_gather`` needs. DeBERTa-v3's log buckets are (the slope of the log part is
-    (mid - 1) / (mid ln((max_position - 1) / mid)) < 1 for its settings), but not for every
-    bucket setting."""
-    steps = torch.diff(rel_index.to(torch.int64))
-    return bool(
-        steps.numel() == 0 or (steps.abs().max() <= 1 and (bool((steps >= 0).all()) or bool((steps <= 0).all())))
-    )
+    return kernel(q, k, v, c2p, p2c, rel_index, key_bias, kv_len, scale, batch, length, heads)
 
 
 def position_scores_supported(head_size: int) -> bool:

@@ -56,7 +56,6 @@ def _disentangled_attention_kernel(
     stride_p_b,
     stride_p_h,
     stride_p_l,
-    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -65,8 +64,6 @@ def _disentangled_attention_kernel(
     ROUND_BIAS: tl.constexpr,  # 16-bit serving dtype: the bias rounded as relpos.py stores it
     PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32)
     DOT_IN_FP32: tl.constexpr,  # the CPU interpreter: its dot is only right in fp32
-    SPAN: tl.constexpr,  # TILE_GATHER: columns of c2p / p2c one key tile reads, pow2 >= BLOCK_M + BLOCK_N
-    TILE_GATHER: tl.constexpr,  # read each tile's window of c2p / p2c rows whole, then gather in registers
 ):
     bh = tl.program_id(0)  # rows x heads on axis 0: axis 1 stops at 65,535 (relpos.py's comment)
     pid_m = tl.program_id(1)
@@ -100,32 +97,11 @@ def _disentangled_attention_kernel(
         inside = mask_m[:, None] & valid_n[None, :]
         rel = tl.load(idx_ptr + (offs_n[None, :] - offs_m[:, None] + length - 1), mask=inside, other=0)
         pos = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if TILE_GATHER:  # rel is monotone in j - i with steps of at most 1 (the caller checks):
-            # the tile's entries lie in SPAN columns from the smaller of its two corner rows
-            corner_lo = tl.maximum(start_n - start_m - (BLOCK_M - 1) + length - 1, 0)
-            corner_hi = tl.minimum(start_n + BLOCK_N - 1 - start_m + length - 1, 2 * length - 2)
-            r_lo = tl.minimum(tl.load(idx_ptr + corner_lo), tl.load(idx_ptr + corner_hi))
-            cols = r_lo + tl.arange(0, SPAN)
-            local = tl.where(inside, rel - r_lo, 0)  # [BM, BN] in [0, SPAN)
-            if HAS_C2P:  # rows of the tile's queries, coalesced
-                blk = tl.load(
-                    c_base + offs_m.to(tl.int64)[:, None] * stride_c_l + cols[None, :],
-                    mask=mask_m[:, None] & (cols < window)[None, :],
-                    other=0.0,
-                )
-                pos += tl.gather(blk, local, 1).to(tl.float32)
-            if HAS_P2C:  # rows of the tile's keys, coalesced; gathered along them, then transposed
-                blk = tl.load(
-                    p_base + offs_n.to(tl.int64)[:, None] * stride_p_l + cols[None, :],
-                    mask=valid_n[:, None] & (cols < window)[None, :],
-                    other=0.0,
-                )
-                pos += tl.trans(tl.gather(blk, tl.trans(local), 1)).to(tl.float32)
-        if HAS_C2P and not TILE_GATHER:
+        if HAS_C2P:
             pos += tl.load(c_base + offs_m.to(tl.int64)[:, None] * stride_c_l + rel, mask=inside, other=0.0).to(
                 tl.float32
             )
-        if HAS_P2C and not TILE_GATHER:  # a warp's lanes on several keys' rows: uncoalesced, but from L2 (session 13:
+        if HAS_P2C:  # a warp's lanes on several keys' rows: uncoalesced, but from L2 (session 13:
             # reading the tile along the queries and transposing it in registers took twice as long)
             pos += tl.load(p_base + offs_n.to(tl.int64)[None, :] * stride_p_l + rel, mask=inside, other=0.0).to(
                 tl.float32
@@ -170,13 +146,8 @@ def disentangled_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    tile_gather: bool = False,
 ) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + bias)·v per (row, head) with relpos.py's bias, [B*L, h*d] in q's dtype.
-
-    ``tile_gather``: each key tile reads the window of c2p and p2c columns it needs whole (coalesced
-    rows) and gathers its entries in registers, instead of one load per entry. Only for a
-    ``rel_index`` that is monotone with steps of at most 1 (``kernels.unit_steps``)."""
+    """softmax(q·kᵀ·scale + bias)·v per (row, head) with relpos.py's bias, [B*L, h*d] in q's dtype."""
     hidden = q.shape[1]
     head_dim = hidden // heads
     from . import disentangled_attention_supported
@@ -215,7 +186,6 @@ def disentangled_attention(
         p.stride(0),
         p.stride(1),
         p.stride(2),
-        c.shape[3],
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -224,8 +194,6 @@ def disentangled_attention(
         ROUND_BIAS=q.dtype in (torch.bfloat16, torch.float16),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=q.device.type == "cpu",
-        SPAN=triton.next_power_of_2(block_m + block_n),
-        TILE_GATHER=tile_gather,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -210,13 +210,6 @@ def _relative_index(length: int, buckets: int, max_position: int, device: str):
     return lo, hi, rel_index.to(device=device, dtype=torch.int32)
 
 
-@lru_cache(maxsize=64)
-def _unit_steps(length: int, buckets: int, max_position: int) -> bool:
-    """Whether the attention kernel may read c2p and p2c by tile windows (``tile_gather``) at
-    this length: the relative index must be monotone with steps of at most 1."""
-    return kernels.unit_steps(_relative_index(length, buckets, max_position, "cpu")[2])
-
-
 def _position_scores(
     x: torch.Tensor,
     table: torch.Tensor,
@@ -275,7 +268,6 @@ class EncoderLayer(nn.Module):
         lora: Optional["LoraBatch"],
         backend: str,
         kv_len: Optional[torch.Tensor] = None,  # int32 [B]: set, the attention runs in kernels/disattn.py
-        tile_gather: bool = False,  # that kernel reads c2p and p2c by tile windows (see disattn.py)
     ) -> torch.Tensor:
         g = self.geometry
         batch, length, hidden = x.shape
@@ -296,19 +288,7 @@ class EncoderLayer(nn.Module):
             p2c = _position_scores(k_flat, pos_q, factors, batch, length, heads, backend)
         if kv_len is not None:  # one kernel, no [B, h, L, L] bias; ctx already [B*L, H]
             ctx = kernels.disentangled_attention(
-                q_flat,
-                k_flat,
-                v_flat,
-                c2p,
-                p2c,
-                rel_index,
-                key_bias,
-                kv_len,
-                inv_scale,
-                batch,
-                length,
-                heads,
-                tile_gather=tile_gather,
+                q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, kv_len, inv_scale, batch, length, heads
             )
         else:
             ctx = _eager_attention(q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, inv_scale, heads, backend)
@@ -379,9 +359,6 @@ class Encoder(nn.Module):
         self.backend: Optional[str] = None
         # the whole attention in kernels/disattn.py (the engine's fused_attention; triton backend)
         self.fused_attention = False
-        # that kernel reads each key tile's window of c2p / p2c rows whole and gathers in registers
-        # (kernels/disattn.py's tile_gather), at the lengths whose relative index allows it
-        self.attention_tile_gather = True
         # LoRA update written before the base GEMM when every row has an adapter (LoraBatch.writes_first)
         self.lora_write_first = True
         # DeBERTa's residual adds and GELU inside the LoRA expand when every row has an adapter
@@ -417,19 +394,15 @@ class Encoder(nn.Module):
         key_bias = (1.0 - attention_mask.to(torch.float32)) * torch.finfo(dtype).min  # [B, L]
         backend = self.backend or kernels.default_backend(input_ids.device)
         kv_len = None  # 1 + each row's last real token: the fused attention's key range
-        tile_gather = False
         if self.fused_attention and backend == "triton" and kernels.disentangled_attention_supported(g.head_size):
             kv_len = kernels.key_lengths(attention_mask)
-            tile_gather = self.attention_tile_gather and _unit_steps(
-                length, g.position_buckets, g.max_relative_positions
-            )
         if lora is not None:  # every layer's position factors at once
             lora.prepare_positions(self.position_modules, window)
         with _attention_backends(input_ids.device):
             for i, layer in enumerate(self.layers):
                 pos_q = self.pos_q[i, lo : hi + 1]
                 pos_k = self.pos_k[i, lo : hi + 1]
-                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend, kv_len, tile_gather)
+                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend, kv_len)
         return x
 
 

@@ -209,8 +209,8 @@ class EncoderGraphs:
 
     def key(self, rows: int, length: int, targets, max_rank: Optional[int], covered: bool = False) -> Optional[tuple]:
         """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention, fused
-        LoRA epilogue); None: no graph for this shape. The encoder's ``fused_attention`` (with its
-        ``attention_tile_gather``) is in the key, so that turning it on or off (an A/B on one engine) replays graphs of its own
+        LoRA epilogue); None: no graph for this shape. The encoder's ``fused_attention`` is in the
+        key, so that turning it on or off (an A/B on one engine) replays graphs of its own
         attention; so is the LoRA epilogue (``LoraBatch.fuses_epilogue``), on when the encoder's
         ``lora_fuse_epilogue`` is and every row has an adapter (``covered``): a padding row takes
         the last real row's slot, so a covered batch stays covered."""
@@ -219,8 +219,6 @@ class EncoderGraphs:
             return None
         bucket, padded = shape
         fused = bool(self.encoder.fused_attention)
-        if fused:  # the kernel's way of reading the position scores: its own graphs too
-            fused = (True, bool(self.encoder.attention_tile_gather))
         if not targets:
             return (bucket, padded, None, 0, fused, False)
         epilogue = bool(covered and self.encoder.lora_fuse_epilogue)

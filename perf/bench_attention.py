@@ -3,11 +3,9 @@
 
     python perf/bench_attention.py                 # CUDA: the benchmark's shapes, bfloat16
     python perf/bench_attention.py --smoke         # any host: one tiny case (CPU: the interpreter)
-    python perf/bench_attention.py --launch 64x64w4s2 64x32w4s2 64x64w4s2g   # launch settings side by side
+    python perf/bench_attention.py --launch 64x64w4s2 64x32w4s2 32x64w4s2   # launch settings side by side
 
-A launch is BLOCK_M x BLOCK_N, w warps, s stages, and a trailing g for ``tile_gather`` (each key
-tile's window of c2p and p2c read whole, then gathered in registers); the first is the one
-printed as "fused".
+A launch is BLOCK_M x BLOCK_N, w warps, s stages; the first is the one printed as "fused".
 
 Cases: GLiNER2-base's attention (12 heads of 64) on chunks of the benchmark's kind, rows of
 random lengths padded to the chunk's longest (``--rows``, ``--length``, ``--min-length``), the
@@ -53,12 +51,12 @@ def make_case(rows, length, min_length, heads, head_dim, width, dtype, device, s
 
 
 def parse_launch(text: str) -> dict:
-    """'128x64w8s2g' -> disentangled_attention's launch keywords."""
-    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(g?)", text)
+    """'128x64w8s2' -> disentangled_attention's launch keywords."""
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"launch {text!r}: expected e.g. 64x64w4s2 or 64x64w4s2g")
-    bm, bn, warps, stages = (int(g) for g in m.groups()[:4])
-    return {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages, "tile_gather": m.group(5) == "g"}
+        raise argparse.ArgumentTypeError(f"launch {text!r}: expected e.g. 64x64w4s2")
+    bm, bn, warps, stages = (int(g) for g in m.groups())
+    return {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
 
 
 def main(argv=None) -> int:

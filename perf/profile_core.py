@@ -125,22 +125,6 @@ def main(argv=None) -> int:
         ab_lines.append("fused_attention on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
         ab_lines.append(interleaved_ab("fused_attention", engine, items, sync, args.repeats, set_attention, attention))
 
-        def set_tile_gather(on: bool) -> None:  # its own graphs (in their key with fused_attention)
-            engine.encoder.attention_tile_gather = on
-
-        if attention:  # how the kernel reads the position scores: tile windows against one load per entry
-            gather = engine.encoder.attention_tile_gather
-            set_attention(True)
-            set_tile_gather(True)
-            gathered = engine.run_core(items)
-            set_tile_gather(False)
-            ab_lines.append(
-                "attention_tile_gather on vs off, same rows: " + compare_rows(gathered, engine.run_core(items))
-            )
-            ab_lines.append(
-                interleaved_ab("attention_tile_gather", engine, items, sync, args.repeats, set_tile_gather, gather)
-            )
-
     def set_epilogue(on: bool) -> None:  # its own graphs (the flag is in their key)
         engine.encoder.lora_fuse_epilogue = on
 

@@ -2,8 +2,7 @@
 # The GPU stage's CUDA graphs on a GPU host, in one go: the GPU tests that cover them, then
 # perf/profile_core.py with cuda_graphs on and off (one row and 1,024 rows; base and 1,024
 # rank-16 adapters), the A/B in one run, each profile with its interleaved chunk_pipeline,
-# count_gate, fused_span_scores, fused_attention and attention_tile_gather A/Bs. Prints one
-# line per profile; full tables under $OUT.
+# count_gate, fused_span_scores and fused_attention A/Bs. Prints one line per profile; full tables under $OUT.
 #     OUT=perf/results/graphs bash perf/run_graphs_check.sh
 # PACK=1 leaves one file, $OUT.tgz, instead of the folder (a device call returns at most 8 files).
 set -u
@@ -28,7 +27,7 @@ for rows in ${ROWS:-1 1024}; do
             [ "$adapters" = 0 ] || extra=(--adapters "$M/bench-adapters" --adapters-in-flight "$adapters")
             python3 perf/profile_core.py --checkpoint "$M/demo-base" "${extra[@]}" --rows "$rows" \
                 --cuda-graphs "$graphs" ${PROFILE_ARGS:-} --out "$OUT/$name" >"$OUT/$name.txt" 2>&1
-            echo "$name: $(grep -h -E '^device|^GPU kernel|^chunk_pipeline|^count_gate|^fused_span_scores|^fused_attention|^attention_tile_gather' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
+            echo "$name: $(grep -h -E '^device|^GPU kernel|^chunk_pipeline|^count_gate|^fused_span_scores|^fused_attention' "$OUT/$name.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
         done
     done
 done
