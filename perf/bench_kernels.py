@@ -116,12 +116,26 @@ def copy_bandwidth(device: torch.device, timer: Timer, num_bytes: int) -> float:
     return 2 * num_bytes / (us * 1e-6)
 
 
-def make_case(op: str, num_adapters: int, num_tokens: int, h_in: int, h_out: int, device: torch.device):
+def make_case(
+    op: str,
+    num_adapters: int,
+    num_tokens: int,
+    h_in: int,
+    h_out: int,
+    device: torch.device,
+    segment_tokens: int | None = None,
+):
+    """One case. ``segment_tokens``: segments of that many tokens (one request's row each, as the
+    GPU stage's chunks hold them), their slots cycling over NUM_SLOTS; else ``num_adapters``
+    equal segments."""
     from manylora.kernels import build_sgmv_meta
 
     gen = torch.Generator().manual_seed(num_adapters * 100003 + num_tokens)
-    slots = torch.arange(num_adapters).repeat_interleave(num_tokens // num_adapters)
-    slots = torch.cat([slots, slots.new_full((num_tokens - len(slots),), num_adapters - 1)])
+    if segment_tokens:
+        slots = (torch.arange(num_tokens) // segment_tokens) % NUM_SLOTS
+    else:
+        slots = torch.arange(num_adapters).repeat_interleave(num_tokens // num_adapters)
+        slots = torch.cat([slots, slots.new_full((num_tokens - len(slots),), num_adapters - 1)])
     meta = build_sgmv_meta(slot_per_token=slots.int(), device=device, max_rank=RANK)
     segments = meta.segments()
     dtype = torch.bfloat16
@@ -259,22 +273,25 @@ def print_table(rows: list[dict]) -> None:
 
 
 def sweep(args, device: torch.device) -> None:
-    """Time every candidate config per (op, token bucket, hidden) with 8 adapters and write
-    the fastest as a config table (keys as launch_config.py reads them)."""
+    """Time every candidate config per (op, token bucket, hidden) with 8 adapters (or segments
+    of ``--sweep-segment-tokens``) and write the fastest as a config table (keys as
+    launch_config.py reads them)."""
     import triton
 
     timer = Timer(device, rep_ms=15)
+    segments = args.sweep_segment_tokens
+    workload = f"segments of {segments} tokens over {NUM_SLOTS} adapters" if segments else "8 adapters"
     table = {
         "_about": f"Tuned by perf/bench_kernels.py --sweep on {machine(device)['device']}, "
-        f"bf16, rank {RANK}, 8 adapters; keys: see launch_config.py."
+        f"bf16, rank {RANK}, {workload}; keys: see launch_config.py."
     }
     for op, candidates in (("sgmv_shrink", SWEEP_SHRINK), ("sgmv_expand", SWEEP_EXPAND)):
         entries = {}
-        for num_tokens in SWEEP_TOKENS:
+        for num_tokens in args.sweep_tokens:
             best_any = {}
-            for hidden in SWEEP_HIDDEN:
+            for hidden in args.sweep_hidden:
                 h_in, h_out = (hidden, RANK) if op == "sgmv_shrink" else (RANK, hidden)
-                case = make_case(op, min(8, num_tokens), num_tokens, h_in, h_out, device)
+                case = make_case(op, min(8, num_tokens), num_tokens, h_in, h_out, device, segments)
                 times = []
                 for config in candidates:
                     try:
@@ -315,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="append one JSON line per case to this file")
     parser.add_argument("--smoke", action="store_true", help="one tiny case; runs on CPU under the Triton interpreter")
     parser.add_argument("--sweep", metavar="TABLE_JSON", help="time candidate configs and write a config table")
+    parser.add_argument("--sweep-tokens", type=int, nargs="+", default=list(SWEEP_TOKENS), help="token buckets swept")
+    parser.add_argument("--sweep-hidden", type=int, nargs="+", default=list(SWEEP_HIDDEN), help="hidden sizes swept")
+    parser.add_argument(
+        "--sweep-segment-tokens",
+        type=int,
+        help="sweep on segments of this many tokens (one row each, slots cycling) instead of 8 adapters",
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
