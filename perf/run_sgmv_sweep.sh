@@ -38,6 +38,6 @@ for arm in old new; do
     timeout "${PROFILE_TIMEOUT:-150}" python3 perf/profile_core.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
         --adapters-in-flight 1024 --rows 1024 --out "$OUT/$arm" >"$OUT/$arm.txt" 2>&1
     echo "$arm: $(grep -h -E '^device|^GPU kernel' "$OUT/$arm.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
-    grep -h -E "_sgmv_(expand|shrink)_kernel" "$OUT/$arm/core-kernels.txt" | awk '{print "   ", $1, $(NF-3), $NF}'
+    grep -h -E "_sgmv_(expand|shrink)_kernel" "$OUT/$arm/core-kernels.txt" | awk '{print "   ", $1, $(NF-4), $(NF-1), $NF}'
 done
 cp "$OUT/old.json" "$TABLE"
