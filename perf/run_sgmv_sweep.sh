@@ -3,10 +3,11 @@
 # row each, SEGMENT tokens, adapters cycling) and measure it in process, same call:
 #   1. perf/bench_kernels.py --sweep over the token buckets of the server's chunks (TOKENS) and
 #      GLiNER2-base's widths (768, 3072): $OUT/swept.json
-#   2. the committed table with the swept entries merged in: $OUT/NVIDIA_H200.json
+#   2. the committed table with the swept entries merged in: $OUT/new.json
 #   3. perf/profile_core.py (1,024 rows, 1,024 rank-16 adapters) with the committed table, then
 #      with the merged one: $OUT/{old,new}.txt and their kernel tables
 #     source .gpu-bundle/activate.sh; OUT=perf/results/sgmv bash perf/run_sgmv_sweep.sh
+# SWEPT=swept.json skips the sweep and profiles that table's entries merged in.
 set -u
 M=${M:-/tmp/manylora-models}
 OUT=${OUT:-perf/results/sgmv}
@@ -16,10 +17,14 @@ mkdir -p "$M" "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 TABLE=kernels/configs/NVIDIA_H200.json
 cp "$TABLE" "$OUT/old.json"
-timeout "${SWEEP_TIMEOUT:-300}" python3 perf/bench_kernels.py --sweep "$OUT/swept.json" --sweep-tokens $TOKENS \
-    --sweep-hidden 768 3072 --sweep-segment-tokens "$SEGMENT" >"$OUT/sweep.txt" 2>&1
-grep -E "^sgmv" "$OUT/sweep.txt" | tail -12
-python3 - "$OUT/old.json" "$OUT/swept.json" "$OUT/NVIDIA_H200.json" <<'PY'
+if [ -n "${SWEPT:-}" ]; then  # a table an earlier sweep wrote: only the profiles
+    cp "$SWEPT" "$OUT/swept.json"
+else
+    timeout "${SWEEP_TIMEOUT:-300}" python3 perf/bench_kernels.py --sweep "$OUT/swept.json" --sweep-tokens $TOKENS \
+        --sweep-hidden 768 3072 --sweep-segment-tokens "$SEGMENT" >"$OUT/sweep.txt" 2>&1
+    grep -E "^sgmv" "$OUT/sweep.txt" | tail -12
+fi
+python3 - "$OUT/old.json" "$OUT/swept.json" "$OUT/new.json" <<'PY'
 import json, sys
 sys.path.insert(0, "perf")
 from bench_kernels import format_table
@@ -28,12 +33,13 @@ for op, entries in swept.items():
     if op != "_about":
         old[op].update(entries)
 old["_about"] += " Buckets " + ", ".join(k for k in swept["sgmv_expand"] if "h*" in k) + ": " + swept["_about"]
-open(sys.argv[3], "w").write(format_table(old))
+open(sys.argv[3], "w").write(format_table(old))  # new.json: the loop below reads it
 PY
 [ -d "$M/demo-base" ] || python3 -m manylora.demo --size base --out "$M/demo-base" >/dev/null
 [ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
     --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
-for arm in old new; do
+for arm in old new old2; do
+    [ "$arm" = old2 ] && cp "$OUT/old.json" "$OUT/old2.json"
     cp "$OUT/$arm.json" "$TABLE"
     timeout "${PROFILE_TIMEOUT:-150}" python3 perf/profile_core.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
         --adapters-in-flight 1024 --rows 1024 --out "$OUT/$arm" >"$OUT/$arm.txt" 2>&1
