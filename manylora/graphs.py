@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -240,8 +241,11 @@ class EncoderGraphs:
             for rows in ROW_BUCKETS:
                 if rows > max_rows:
                     break
-                for length in LENGTH_BUCKETS:
-                    key = self.key(rows, length, targets, max_rank, covered=bool(targets))
+                # batches of adapter rows only (the LoRA epilogue, when it is on) and batches that
+                # mix in base rows: both are light-load shapes (a key of each; the same key when the
+                # epilogue is off). The key alone decides the epilogue, so slot 0 fills both.
+                for length, covered in itertools.product(LENGTH_BUCKETS, (True, False) if targets else (False,)):
+                    key = self.key(rows, length, targets, max_rank, covered=covered)
                     if key is None or key in self.graphs or key in self.eager:
                         continue
                     if len(self.graphs) >= self.max_graphs:
