@@ -4,8 +4,9 @@
 #   1. perf/bench_kernels.py --sweep over the token buckets of the server's chunks (TOKENS) and
 #      GLiNER2-base's widths (768, 3072): $OUT/swept.json
 #   2. the committed table with the swept entries merged in: $OUT/new.json
-#   3. perf/profile_core.py (1,024 rows, 1,024 rank-16 adapters) with the committed table, then
-#      with the merged one: $OUT/{old,new}.txt and their kernel tables
+#   3. perf/profile_core.py (1,024 rows, 1,024 rank-16 adapters) with the committed table, the
+#      merged one, and the committed one again (the noise beside the difference):
+#      $OUT/{old,new,old2}.txt and their kernel tables
 #     source .gpu-bundle/activate.sh; OUT=perf/results/sgmv bash perf/run_sgmv_sweep.sh
 # SWEPT=swept.json skips the sweep and profiles that table's entries merged in.
 set -u
@@ -17,6 +18,8 @@ mkdir -p "$M" "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 TABLE=kernels/configs/NVIDIA_H200.json
 cp "$TABLE" "$OUT/old.json"
+cp "$OUT/old.json" "$OUT/old2.json"
+trap 'cp "$OUT/old.json" "$TABLE"' EXIT  # the committed table back, however the script ends
 if [ -n "${SWEPT:-}" ]; then  # a table an earlier sweep wrote: only the profiles
     cp "$SWEPT" "$OUT/swept.json"
 else
@@ -39,11 +42,9 @@ PY
 [ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
     --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
 for arm in old new old2; do
-    [ "$arm" = old2 ] && cp "$OUT/old.json" "$OUT/old2.json"
     cp "$OUT/$arm.json" "$TABLE"
     timeout "${PROFILE_TIMEOUT:-150}" python3 perf/profile_core.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
         --adapters-in-flight 1024 --rows 1024 --out "$OUT/$arm" >"$OUT/$arm.txt" 2>&1
     echo "$arm: $(grep -h -E '^device|^GPU kernel' "$OUT/$arm.txt" | sed 's/, graphs {[^}]*}//' | tr '\n' ' ')"
     grep -h -E "_sgmv_(expand|shrink)_kernel" "$OUT/$arm/core-kernels.txt" | awk '{print "   ", $1, $(NF-4), $(NF-1), $NF}'
 done
-cp "$OUT/old.json" "$TABLE"

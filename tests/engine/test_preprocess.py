@@ -238,7 +238,8 @@ def test_schema_with_a_huge_integer_is_invalid_arg_not_internal(tiny_engine):
 
 def test_a_fronts_skeleton_prepares_and_decodes_like_the_loaded_model(tiny_checkpoint, reference_model):
     """A CPU front loads GLiNER2 on the meta device (no weights): its records, decoding
-    metadata and thresholds are those of the loaded model."""
+    metadata and thresholds are those of the loaded model, and so is the architecture that
+    PostDecoder.from_model reads (it refuses boundary checkpoints). The e2e tests run such fronts."""
     import json
 
     from manylora.client.protocol import Request
@@ -248,6 +249,7 @@ def test_a_fronts_skeleton_prepares_and_decodes_like_the_loaded_model(tiny_check
 
     skeleton = load_gliner2_skeleton(tiny_checkpoint)
     assert {p.device.type for p in skeleton.parameters()} == {"meta"}
+    assert getattr(skeleton, "architecture", "span") == getattr(reference_model, "architecture", "span")
     fronts = Preprocessor(skeleton, 512), Preprocessor(reference_model, 512)
     for k, text in enumerate(TEXTS):
         request = Request(text, json.dumps(demo_schemas()[k % len(demo_schemas())]), threshold=0.3 + 0.01 * k)

@@ -37,3 +37,18 @@ def test_smoke_writes_json_lines(tmp_path):
         assert row["dtype"] == "bfloat16" and row["rank"] == 16
         assert {"device", "torch", "triton", "config", "adapters", "tokens"} <= row.keys()
     assert "x floor" in result.stdout
+
+
+def test_sweep_segments_are_one_row_each_with_slots_cycling():
+    """--sweep-segment-tokens: the sweep's case holds segments of that many tokens (the GPU
+    stage's chunks: one row per adapter), their slots cycling over the bench's slots."""
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_kernels import NUM_SLOTS, make_case
+
+    tokens = 128 * (NUM_SLOTS + 2)
+    case = make_case("sgmv_expand", 8, tokens, 16, 64, torch.device("cpu"), segment_tokens=128)
+    segments = [tuple(s) for s in case["segments"]]
+    assert [(end - start) for start, end, _ in segments] == [128] * (NUM_SLOTS + 2)
+    assert [slot for _, _, slot in segments] == [*range(NUM_SLOTS), 0, 1]
