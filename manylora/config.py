@@ -153,6 +153,14 @@ class EngineConfig:
     # 3,341 req/s against 16384 (perf/README.md): the GPU stage's one process launches less
     cuda_graph_max_tokens: int = 65536
     chunk_pipeline: bool = True  # GPU stage: chunk k's host work while chunk k+1's forward runs (Engine._core_begin)
+    # GPU stage: what one more chunk of a call is taken to cost, in padded tokens, when a call's rows are
+    # cut into length-sorted chunks (Engine._budget_chunks): lower values cut more finely, with less
+    # padding. 32768 came from session 3 (before CUDA graphs and the chunk pipeline): ~300 launches and a
+    # heads pass, ~20-30 ms of host time per chunk. Session 17 (H200): in process (perf/profile_core.py,
+    # interleaved) 2048 made a 110-row call 1.08x faster (LoRA; base 1.10x: 2 chunks, padding 34.5% ->
+    # 19.4%) and 1,024 rows 0.98x / 1.00x, but through the server (same call, 32 fronts, 1,024 adapters)
+    # LoRA saturation fell 4,392 -> 3,616 req/s: more chunks cost the GPU stage's one process host time
+    chunk_cost_tokens: int = 32768
     # GPU stage: span scores by kernels/spanscores.py (triton backend only). On since session 12:
     # H200, same call, with the 65536 graph cap: base 4,271 -> 5,025 req/s, 1,024 adapters 3,341 ->
     # 3,719; in process the same rows (0 of 1,024 differ)
@@ -251,6 +259,12 @@ class EngineConfig:
             False,
             "GPU stage: 'on' (default) finishes each chunk on the host while the next chunk's forward runs on "
             "the GPU; 'off' runs each chunk's steps in turn (for A/B runs)",
+        ),
+        "chunk_cost_tokens": (
+            _positive_int,
+            False,
+            "GPU stage: what one more chunk is taken to cost, in padded tokens, when a call's rows (sorted by "
+            "length) are cut into encoder forwards; lower values cut more finely and pad less (default 32768)",
         ),
         "fused_span_scores": (
             _on_off,

@@ -61,10 +61,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PAD_MULTIPLE = 16
-# what one more chunk costs, in padded tokens: its ~300 kernel launches and its heads pass
-# (~20-30 ms of host time per chunk) against ~0.7 us of GPU time per token, both read off the
-# H200 profiles in perf/h200-2026-11-29/session3/profile-lora.txt; an estimate, not tuned
-CHUNK_COST_TOKENS = 32768
 
 Result = Union[dict, RequestError]
 
@@ -373,7 +369,7 @@ class Engine:
     def _budget_chunks(self, group: Sequence[Prepared]) -> list[list[Prepared]]:
         """Cut the group (sorted by length) into chunks of rows x padded length <= the token
         budget, at the cheapest cut points: a chunk costs its padded tokens (a CUDA graph's
-        padded shape where one runs it) plus a fixed CHUNK_COST_TOKENS (its launches and
+        padded shape where one runs it) plus a fixed ``chunk_cost_tokens`` (its launches and
         decoding), so one long text is cut away from 255 short ones, but 16 slightly longer
         ones stay with the other 240."""
         items = sorted(group, key=lambda p: p.num_tokens)
@@ -414,7 +410,8 @@ class Engine:
 
         def cost(size: int) -> int:
             full, rest = divmod(rows, size)
-            return full * tokens(size) + (tokens(rest) if rest else 0) + (full + bool(rest)) * CHUNK_COST_TOKENS
+            pieces = full + bool(rest)
+            return full * tokens(size) + (tokens(rest) if rest else 0) + pieces * self.config.chunk_cost_tokens
 
         return min((cost(size), size) for size in sizes)
 

@@ -45,6 +45,8 @@ Designs (--design, several run one after the other, each with its own server):
             whose pool threads leave batches unanswered when a front's stub dies)
   pipeline-small-graphs  the same with gliner2_core's cuda_graph_max_tokens 16384 (the default
             before session 12): the big chunks of saturation launch every kernel (the A/B of the cap)
+  pipeline-fine-chunks  the same with gliner2_core's chunk_cost_tokens 2048: a call's rows are cut
+            into more, less padded chunks (the A/B of that knob; session 17: slower at saturation)
   single    gliner2 alone (core_model none): --instances GPU instances per GPU, each doing
             pre, GPU and post in series (the earlier design, for an A/B in the same run)
 
@@ -95,6 +97,7 @@ DESIGNS = (
     "pipeline-small-graphs",
     "pipeline-unfused-epilogue",
     "pipeline-2x-fronts",
+    "pipeline-fine-chunks",
     "single",
 )
 CORE_OVERRIDES = {
@@ -105,6 +108,7 @@ CORE_OVERRIDES = {
     "pipeline-eager-attention": {"fused_attention": "off"},
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
     "pipeline-unfused-epilogue": {"fused_lora_epilogue": "off"},
+    "pipeline-fine-chunks": {"chunk_cost_tokens": "2048"},
 }
 # designs that change the front (gliner2) instead
 FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}

@@ -43,6 +43,16 @@ def main(argv=None) -> int:
         help="gliner2_core's cuda_graph_max_tokens",
     )
     p.add_argument("--warmup-rows", type=int, default=16, help="gliner2_core's cuda_graph_warmup_rows")
+    p.add_argument(
+        "--ab",
+        default="chunk_pipeline,count_gate,fused_span_scores,fused_attention,fused_lora_epilogue",
+        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs)",
+    )
+    p.add_argument(
+        "--chunk-costs",
+        default="32768,8192,2048",
+        help="chunk_cost_tokens values the chunk_cost_tokens A/B interleaves (the first is the reference)",
+    )
     p.add_argument("--out", type=Path, default=Path("perf/results/profile-core"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -102,10 +112,18 @@ def main(argv=None) -> int:
         engine.heads.count_gate = on
 
     # each A/B interleaved on the same engine (the same run's comparison), then back to the default
-    ab_lines = [interleaved_ab("chunk_pipeline", engine, items, sync, args.repeats, set_pipeline, True)]
-    ab_lines.append(interleaved_ab("count_gate", engine, items, sync, args.repeats, set_count_gate, True))
+    ab = set(args.ab.split(",")) - {""}
+    ab_lines = []
+    if "chunk_cost_tokens" in ab:
+        ab_lines.extend(
+            chunk_cost_ab(engine, items, prepared, sync, args.repeats, [int(v) for v in args.chunk_costs.split(",")])
+        )
+    if "chunk_pipeline" in ab:
+        ab_lines.append(interleaved_ab("chunk_pipeline", engine, items, sync, args.repeats, set_pipeline, True))
+    if "count_gate" in ab:
+        ab_lines.append(interleaved_ab("count_gate", engine, items, sync, args.repeats, set_count_gate, True))
     span_kernel = engine.heads.span_kernel
-    if engine.config.backend == "triton":
+    if engine.config.backend == "triton" and "fused_span_scores" in ab:
         ab_lines.append(
             interleaved_ab("fused_span_scores", engine, items, sync, args.repeats, set_span_kernel, span_kernel)
         )
@@ -114,6 +132,7 @@ def main(argv=None) -> int:
         set_span_kernel(False)
         ab_lines.append("fused_span_scores on vs off, same rows: " + compare_rows(fused, engine.run_core(items)))
         set_span_kernel(span_kernel)
+    if engine.config.backend == "triton" and "fused_attention" in ab:
 
         def set_attention(on: bool) -> None:  # its own graphs (the flag is in their key)
             engine.encoder.fused_attention = on
@@ -128,7 +147,7 @@ def main(argv=None) -> int:
     def set_epilogue(on: bool) -> None:  # its own graphs (the flag is in their key)
         engine.encoder.lora_fuse_epilogue = on
 
-    if names:  # the LoRA expand's residual / GELU epilogue (fused_lora_epilogue): batches with adapters only
+    if names and "fused_lora_epilogue" in ab:  # the LoRA expand's epilogue: batches with adapters only
         epilogue = engine.encoder.lora_fuse_epilogue
         set_epilogue(True)  # the first run with it (graph captures) is not timed
         fused = engine.run_core(items)
@@ -164,6 +183,48 @@ def main(argv=None) -> int:
         lines.append(out.getvalue())
     print("\n".join(lines)[:12000])
     return 0
+
+
+def chunk_cost_ab(engine, items, prepared, sync, repeats: int, values: list[int]) -> list[str]:
+    """``chunk_cost_tokens`` values interleaved on the same engine: per value the chunks a call
+    is cut into, their padded tokens, the best wall, and whether the rows' answers match the
+    first value's; leaves the engine at its own value."""
+    from manylora.engine import PAD_MULTIPLE
+
+    default = engine.config.chunk_cost_tokens
+
+    def set_cost(value: int) -> None:
+        engine.config = dataclasses.replace(engine.config, chunk_cost_tokens=value)
+
+    real = sum(p.num_tokens for p in prepared)
+    lines, answers = [], {}
+    for value in values:  # first runs: graph captures of new shapes are not timed
+        set_cost(value)
+        chunks = engine._chunks(prepared)
+        padded = sum(len(c) * -(-max(p.num_tokens for p in c) // PAD_MULTIPLE) * PAD_MULTIPLE for c in chunks)
+        lines.append(
+            f"chunk_cost_tokens {value}: {len(chunks)} chunks {sorted((len(c) for c in chunks), reverse=True)}, "
+            f"padded tokens {padded} for {real} ({100 * (padded - real) / padded:.1f}% padding)"
+        )
+        answers[value] = engine.run_core(items)
+    walls = {v: [] for v in values}
+    for _ in range(repeats):
+        for value in values:
+            set_cost(value)
+            t0 = time.perf_counter()
+            engine.run_core(items)
+            sync()
+            walls[value].append(time.perf_counter() - t0)
+    set_cost(default)
+    ref = min(walls[values[0]])
+    for value in values:
+        best = min(walls[value])
+        lines.append(
+            f"chunk_cost_tokens {value} (best of {repeats}, interleaved): {best * 1e3:.1f} ms "
+            f"({len(items) / best:.0f} rows/s), throughput {ref / best:.2f}x of {values[0]}; vs {values[0]}: "
+            + compare_rows(answers[values[0]], answers[value])
+        )
+    return lines
 
 
 def interleaved_ab(name: str, engine, items, sync, repeats: int, set_arm, default: bool) -> str:

@@ -18,6 +18,19 @@ def test_a_long_text_gets_its_own_chunk(tiny_engine):
     assert [len(c) for c in chunks] == [258, 1] and chunks[1][0] is long
 
 
+def test_a_lower_chunk_cost_cuts_the_same_rows_more_finely_with_less_padding(tiny_engine, monkeypatch):
+    rows = [tiny_engine.prepare(i, Request(" ".join(["Ada went to Paris."] * (1 + i % 5)), SCHEMA)) for i in range(40)]
+
+    def plan(cost: int) -> tuple[int, int]:  # (chunks, padded tokens)
+        monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, chunk_cost_tokens=cost))
+        chunks = tiny_engine._budget_chunks(rows)
+        assert sorted(p.index for c in chunks for p in c) == list(range(40))  # every row once
+        return len(chunks), sum(len(c) * -(-max(p.num_tokens for p in c) // 16) * 16 for c in chunks)
+
+    (coarse, coarse_tokens), (fine, fine_tokens) = plan(32768), plan(16)
+    assert coarse == 1 and fine > 1 and fine_tokens < coarse_tokens
+
+
 def test_chunks_stay_within_the_token_budget(tiny_engine, monkeypatch):
     rows = [tiny_engine.prepare(i, Request(" ".join(["Ada went to Paris."] * (1 + i % 9)), SCHEMA)) for i in range(50)]
     monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=640))
