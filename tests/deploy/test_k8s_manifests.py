@@ -91,7 +91,7 @@ def test_server_parameters_are_known_to_the_engine(k8s_objects):
 
 def test_server_environment_renders_the_pipeline(k8s_objects):
     """The pod's MANYLORA_* through docker/render_config.py: one GPU-stage instance on the
-    pod's one GPU with the cache settings, CPU fronts that fit the pod's cores with it."""
+    pod's one GPU with the cache settings, CPU fronts sized to the pod's cores as measured."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
@@ -117,9 +117,11 @@ def test_server_environment_renders_the_pipeline(k8s_objects):
     assert set(front.parameters) <= {"checkpoint", "max_request_tokens", "core_model"}
     (fronts,) = front.instance_group
     assert fronts.kind == fronts.KIND_CPU and fronts.count == int(env["MANYLORA_FRONT_INSTANCES"])
-    # a core each for the fronts (one thread each) plus the GPU stage's threads fit the request
+    # fronts wait while their batch is in the GPU stage: up to 4 per core (docs/tuning.md, the
+    # measured 32 and 64 on 16 cores), and the GPU stage's torch threads within the pod's cores
     cores = int(container["resources"]["requests"]["cpu"])
-    assert fronts.count + int(core.parameters["cpu_threads"].string_value) <= cores
+    assert cores <= fronts.count <= 4 * cores
+    assert int(core.parameters["cpu_threads"].string_value) <= cores
 
 
 @pytest.mark.parametrize("service", ["manylora", "manylora-headless"])
