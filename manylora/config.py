@@ -43,6 +43,16 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
+def _auto_or_positive_int(key: str, raw: str) -> int:
+    """'auto' (0: chosen by the device) or a positive integer."""
+    if raw.strip() == "auto":
+        return 0
+    try:
+        return _positive_int(key, raw.strip())
+    except ConfigError:
+        raise ConfigError(f"parameter {key!r}: expected 'auto' or a positive integer, got {raw!r}") from None
+
+
 def _threads(key: str, raw: str) -> int:
     """'auto' (0: the host's cores shared by the instances) or a positive thread count."""
     if raw.strip() == "auto":
@@ -121,6 +131,10 @@ def _path(key: str, raw: str) -> str:
     return raw
 
 
+# chunk_cost_tokens 'auto', by device type (EngineConfig.chunk_cost_tokens says why)
+CHUNK_COST_TOKENS_AUTO = {"cuda": 32768, "cpu": 128}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine needs; README.md has the same table for config.pbtxt users."""
@@ -155,12 +169,15 @@ class EngineConfig:
     chunk_pipeline: bool = True  # GPU stage: chunk k's host work while chunk k+1's forward runs (Engine._core_begin)
     # GPU stage: what one more chunk of a call is taken to cost, in padded tokens, when a call's rows are
     # cut into length-sorted chunks (Engine._budget_chunks): lower values cut more finely, with less
-    # padding. 32768 came from session 3 (before CUDA graphs and the chunk pipeline): ~300 launches and a
-    # heads pass, ~20-30 ms of host time per chunk. Session 17 (H200): in process (perf/profile_core.py,
-    # interleaved) 2048 made a 110-row call 1.08x faster (LoRA; base 1.10x: 2 chunks, padding 34.5% ->
-    # 19.4%) and 1,024 rows 0.98x / 1.00x, but through the server (same call, 32 fronts, 1,024 adapters)
-    # LoRA saturation fell 4,392 -> 3,616 req/s: more chunks cost the GPU stage's one process host time
-    chunk_cost_tokens: int = 32768
+    # padding. 0 = auto: CHUNK_COST_TOKENS_AUTO by device type. Session 17: on the H200 in process
+    # (perf/profile_core.py, interleaved) 2048 made a 110-row call 1.08x faster (LoRA; base 1.10x: 2
+    # chunks, padding 34.5% -> 19.4%) and 1,024 rows 0.98x / 1.00x, but through the server (same call,
+    # 32 fronts, 1,024 adapters) LoRA saturation fell 4,392 -> 3,616 req/s: more chunks cost the GPU
+    # stage's one process host time, so 32768 (session 3's estimate of a chunk's host cost) stays there.
+    # On the CPU (2-core host, profile_core, interleaved, same answers) 128 served 128 rows of the tiny
+    # demo 3.0x and 48 rows of the base demo 2.5x faster than 32768 (padding 27% -> 5-6%, smaller
+    # attention tensors); 32 and 8 were no faster than 128
+    chunk_cost_tokens: int = 0
     # GPU stage: span scores by kernels/spanscores.py (triton backend only). On since session 12:
     # H200, same call, with the 65536 graph cap: base 4,271 -> 5,025 req/s, 1,024 adapters 3,341 ->
     # 3,719; in process the same rows (0 of 1,024 differ)
@@ -261,10 +278,11 @@ class EngineConfig:
             "the GPU; 'off' runs each chunk's steps in turn (for A/B runs)",
         ),
         "chunk_cost_tokens": (
-            _positive_int,
+            _auto_or_positive_int,
             False,
             "GPU stage: what one more chunk is taken to cost, in padded tokens, when a call's rows (sorted by "
-            "length) are cut into encoder forwards; lower values cut more finely and pad less (default 32768)",
+            "length) are cut into encoder forwards; lower values cut more finely and pad less. 'auto' (default): "
+            "32768 on a GPU, 128 on the CPU",
         ),
         "fused_span_scores": (
             _on_off,

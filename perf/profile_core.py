@@ -207,14 +207,7 @@ def chunk_cost_ab(engine, items, prepared, sync, repeats: int, values: list[int]
             f"padded tokens {padded} for {real} ({100 * (padded - real) / padded:.1f}% padding)"
         )
         answers[value] = engine.run_core(items)
-    walls = {v: [] for v in values}
-    for _ in range(repeats):
-        for value in values:
-            set_cost(value)
-            t0 = time.perf_counter()
-            engine.run_core(items)
-            sync()
-            walls[value].append(time.perf_counter() - t0)
+    walls = interleaved_walls(engine, items, sync, repeats, set_cost, values)
     set_cost(default)
     ref = min(walls[values[0]])
     for value in values:
@@ -227,17 +220,24 @@ def chunk_cost_ab(engine, items, prepared, sync, repeats: int, values: list[int]
     return lines
 
 
-def interleaved_ab(name: str, engine, items, sync, repeats: int, set_arm, default: bool) -> str:
-    """Best wall of ``engine.run_core(items)`` with ``set_arm(True)`` and ``set_arm(False)``,
-    alternating, ``repeats`` rounds; leaves the arm at ``default``."""
-    walls = {True: [], False: []}
+def interleaved_walls(engine, items, sync, repeats: int, set_arm, arms) -> dict:
+    """Walls of ``engine.run_core(items)`` per arm: ``repeats`` rounds, each running every arm of
+    ``arms`` in turn after ``set_arm(arm)``."""
+    walls = {arm: [] for arm in arms}
     for _ in range(repeats):
-        for on in (False, True):
-            set_arm(on)
+        for arm in arms:
+            set_arm(arm)
             t0 = time.perf_counter()
             engine.run_core(items)
             sync()
-            walls[on].append(time.perf_counter() - t0)
+            walls[arm].append(time.perf_counter() - t0)
+    return walls
+
+
+def interleaved_ab(name: str, engine, items, sync, repeats: int, set_arm, default: bool) -> str:
+    """Best wall of ``engine.run_core(items)`` with ``set_arm(True)`` and ``set_arm(False)``,
+    alternating, ``repeats`` rounds; leaves the arm at ``default``."""
+    walls = interleaved_walls(engine, items, sync, repeats, set_arm, (False, True))
     set_arm(default)
     on_ms, off_ms = min(walls[True]) * 1e3, min(walls[False]) * 1e3
     rows = len(items)

@@ -55,6 +55,8 @@ def test_committed_parameters_load_as_they_are(tmp_path, tiny_checkpoint, demo_a
         ({"max_gpu_adapters": "0"}, "'max_gpu_adapters'"),
         ({"cpu_threads": "0"}, "'cpu_threads': expected 'auto' or a positive number"),
         ({"cpu_threads": "some"}, "'cpu_threads': expected 'auto' or a positive number"),
+        ({"chunk_cost_tokens": "0"}, "'chunk_cost_tokens': expected 'auto' or a positive integer"),
+        ({"chunk_cost_tokens": "fine"}, "'chunk_cost_tokens': expected 'auto' or a positive integer"),
         ({"dtype": "${DTYPE}"}, "unfilled template"),
         ({"dtype": "float64"}, "'dtype'"),
         ({"kernel_backend": "cuda"}, "'kernel_backend'"),
@@ -100,6 +102,12 @@ def test_cpu_threads_parameter(tiny_checkpoint):
     assert instance_threads(parse().cpu_threads, four, 16) == 4, "auto: the host's cores shared"
     assert instance_threads(parse(cpu_threads="1").cpu_threads, four, 16) == 1
     assert instance_threads(parse(cpu_threads="6").cpu_threads, four, 16) == 6
+
+
+def test_chunk_cost_tokens_parameter(tiny_checkpoint):
+    parse = lambda **p: EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **p})  # noqa: E731
+    assert parse().chunk_cost_tokens == 0 and parse(chunk_cost_tokens="auto").chunk_cost_tokens == 0
+    assert parse(chunk_cost_tokens="2048").chunk_cost_tokens == 2048
 
 
 def test_threads_per_instance_share_the_host():

@@ -8,10 +8,13 @@ from manylora.engine import INTERNAL, Request, RequestError
 SCHEMA = json.dumps({"entities": ["person", "location"]})
 
 
-def test_a_long_text_gets_its_own_chunk(tiny_engine):
+def test_a_long_text_gets_its_own_chunk(tiny_engine, monkeypatch):
     short = [tiny_engine.prepare(i, Request(f"Ada Lovelace met Bob number {i} in Paris.", SCHEMA)) for i in range(6)]
     long = tiny_engine.prepare(6, Request(" ".join(["Ada went to Paris."] * 60), SCHEMA))
-    # few rows: padding them all to the long one costs less than another chunk
+    # 'auto' on the CPU: a chunk costs little (CHUNK_COST_TOKENS_AUTO), so the long text goes alone
+    assert [len(c) for c in tiny_engine._budget_chunks(short + [long])] == [6, 1]
+    # a GPU's chunk cost: few rows padded to the long one cost less than another chunk
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, chunk_cost_tokens=32768))
     assert [len(c) for c in tiny_engine._budget_chunks(short + [long])] == [7]
     many = short * 43  # 258 short rows: padding them to the long one would cost more than a chunk
     chunks = tiny_engine._budget_chunks(many + [long])

@@ -636,7 +636,7 @@ def test_bench_repository_pipeline_fine_chunks_lowers_the_chunk_cost(tmp_path, e
     assert _engine_config(_parse_config(repo / "gliner2_core" / "config.pbtxt")).chunk_cost_tokens == 2048
     assert bench_server.design_of(bench_server.repository_summary(repo)) == "pipeline-fine-chunks"
     committed = bench_server.bench_repository(tmp_path / "plain", engine_params, bench_server.Layout(design="pipeline"))
-    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).chunk_cost_tokens == 32768
+    assert _engine_config(_parse_config(committed / "gliner2_core" / "config.pbtxt")).chunk_cost_tokens == 0  # auto
 
 
 def test_bench_repository_pipeline_eager_attention_turns_the_attention_kernel_off(tmp_path, engine_params):
