@@ -173,9 +173,10 @@ class EngineConfig:
     # (perf/profile_core.py, interleaved) 2048 made a 110-row call 1.08x faster (LoRA; base 1.10x: 2
     # chunks, padding 34.5% -> 19.4%) and 1,024 rows 0.98x / 1.00x, but through the server (same call,
     # 32 fronts, 1,024 adapters) LoRA saturation fell 4,392 -> 3,616 req/s: more chunks cost the GPU
-    # stage's one process host time, so 32768 (session 3's estimate of a chunk's host cost) stays there.
-    # On the CPU (2-core host, profile_core, interleaved, same answers) 128 served 128 rows of the tiny
-    # demo 3.0x and 48 rows of the base demo 2.5x faster than 32768 (padding 27% -> 5-6%, smaller
+    # stage's one process host time, so 32768 stays there (session 3's estimate of a chunk's ~20-30 ms of
+    # host time, perf/h200-2026-11-29/session3/profile-lora.txt). On the CPU (2-core host, profile_core,
+    # interleaved, same answers) 128 served 128 rows of the tiny demo 2.8x and 48 rows of the base demo
+    # 2.5x faster than 32768 (padding 27% -> 5-6%, smaller
     # attention tensors); 32 and 8 were no faster than 128
     chunk_cost_tokens: int = 0
     # GPU stage: span scores by kernels/spanscores.py (triton backend only). On since session 12:
