@@ -43,26 +43,19 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
-def _auto_or_positive_int(key: str, raw: str) -> int:
+def _auto_or_positive_int(key: str, raw: str, what: str = "a positive integer") -> int:
     """'auto' (0: chosen by the device) or a positive integer."""
     if raw.strip() == "auto":
         return 0
     try:
         return _positive_int(key, raw.strip())
     except ConfigError:
-        raise ConfigError(f"parameter {key!r}: expected 'auto' or a positive integer, got {raw!r}") from None
+        raise ConfigError(f"parameter {key!r}: expected 'auto' or {what}, got {raw!r}") from None
 
 
 def _threads(key: str, raw: str) -> int:
     """'auto' (0: the host's cores shared by the instances) or a positive thread count."""
-    if raw.strip() == "auto":
-        return 0
-    try:
-        return _positive_int(key, raw.strip())
-    except ConfigError:
-        raise ConfigError(
-            f"parameter {key!r}: expected 'auto' or a positive number of torch threads per instance, got {raw!r}"
-        ) from None
+    return _auto_or_positive_int(key, raw, "a positive number of torch threads per instance")
 
 
 def _preload(key: str, raw: str) -> str:
