@@ -824,6 +824,10 @@ def build_demo_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    from manylora.train_demo import pin_cpu_kernels
+
+    pin_cpu_kernels()  # before any torch op: the trained demo is the same on any x86 host
+
     parser = argparse.ArgumentParser(prog="python -m manylora.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")

@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from manylora.train_demo import pin_cpu_kernels
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the same vector kernels on every x86 host, set before torch runs an op: the trained demo's
+# quality bars (tests/engine/test_demo.py) then hold on AVX-512 hosts too
+CPU_KERNELS = pin_cpu_kernels()
 try:  # Triton kernels run under the interpreter where there is no GPU (set before they are defined)
     import torch
 
@@ -55,6 +60,7 @@ def _trained_demo_dir(tmp_path_factory) -> Path:
         "corpus": hashlib.sha256((demo.DATA_DIR / "corpus.txt").read_bytes()).hexdigest(),
         "sources": [hashlib.sha256(p.read_bytes()).hexdigest() for p in sources],
         "versions": [importlib.metadata.version(d) for d in ("torch", "transformers", "gliner2", "peft")],
+        "cpu_kernels": CPU_KERNELS,
     }
     key = hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:16]
     folder = root / "models" / ".test-cache" / f"trained-{key}"

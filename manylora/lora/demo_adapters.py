@@ -264,6 +264,9 @@ def build_trained_adapters(
 
 
 def main(argv=None) -> None:
+    from manylora.train_demo import pin_cpu_kernels
+
+    pin_cpu_kernels()  # before any torch op: the trained adapters are the same on any x86 host
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)

@@ -354,6 +354,22 @@ def test_trained_demo_finds_the_entities_of_held_out_sentences(trained):
     }
 
 
+def test_the_suite_trains_with_pinned_cpu_kernels():
+    """conftest pins the vector kernels before torch runs an op (manylora.train_demo.pin_cpu_kernels):
+    torch and MKL then compute with AVX2 on any x86 host that has it, AVX-512 ones included."""
+    import os
+
+    import torch
+
+    from manylora.train_demo import PINNED_CPU_KERNELS, pin_cpu_kernels
+
+    pinned = pin_cpu_kernels()
+    if not pinned:
+        pytest.skip("not an x86 host with AVX2")
+    assert pinned == PINNED_CPU_KERNELS and os.environ["MKL_CBWR"] == "AVX2"
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def test_trained_demo_scores_well_on_generated_held_out_texts(trained, model):
     """Held-out generated texts (another seed than training's): the lexicon's names, then made-up
     names only (what the model can only find from the context); the calibrated random checkpoint
