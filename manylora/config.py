@@ -169,8 +169,7 @@ class EngineConfig:
     # stage's one process host time, so 32768 stays there (session 3's estimate of a chunk's ~20-30 ms of
     # host time, perf/h200-2026-11-29/session3/profile-lora.txt). On the CPU (2-core host, profile_core,
     # interleaved, same answers) 128 served 128 rows of the tiny demo 2.8x and 48 rows of the base demo
-    # 2.5x faster than 32768 (padding 27% -> 5-6%, smaller
-    # attention tensors); 32 and 8 were no faster than 128
+    # 2.5x faster than 32768 (padding 27% -> 5-6%, smaller attention tensors); 32 and 8 were no faster
     chunk_cost_tokens: int = 0
     # GPU stage: span scores by kernels/spanscores.py (triton backend only). On since session 12:
     # H200, same call, with the 65536 graph cap: base 4,271 -> 5,025 req/s, 1,024 adapters 3,341 ->
@@ -339,6 +338,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
+
+    def chunk_cost(self, device_type: str) -> int:
+        """``chunk_cost_tokens`` for a device type, 'auto' resolved (CHUNK_COST_TOKENS_AUTO; other
+        accelerators take the GPU's)."""
+        return self.chunk_cost_tokens or CHUNK_COST_TOKENS_AUTO.get(device_type, CHUNK_COST_TOKENS_AUTO["cuda"])
 
     @classmethod
     def from_parameters(

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from manylora.client.protocol import Request  # the wire contract's validated request
-from manylora.config import CHUNK_COST_TOKENS_AUTO, EngineConfig
+from manylora.config import EngineConfig
 from manylora.decode import batch_to_device, encode_padded
 from manylora.encoder import Encoder, check_fused_attention
 from manylora.errors import INTERNAL, INVALID_ARG, NOT_FOUND, UNAVAILABLE, RequestError
@@ -397,7 +397,7 @@ class Engine:
         with CUDA graphs also full rows buckets, when that is as many pieces and fewer padded
         tokens (a graph pads its rows up to a bucket). Called for every pair of cut points, in the
         GPU thread: arithmetic per plan, no list per piece."""
-        chunk_cost = self.config.chunk_cost_tokens or CHUNK_COST_TOKENS_AUTO.get(self.device.type, 32768)
+        chunk_cost = self.config.chunk_cost(self.device.type)
         fit = max(1, self.config.max_batch_tokens // length)
         count = -(-rows // fit)
         sizes = [-(-rows // count)]

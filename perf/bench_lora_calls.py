@@ -8,7 +8,10 @@ Why: inside the engine the expand took 31.2 ms per 1,024 rows (session 16) where
 sweep on synthetic chunks of the same shape predicted about 13 ms; the sweep's table made the
 engine slower. This measures the calls the engine really makes (module, width, epilogue, stride),
 so a launch table or a kernel change is judged on them. Prints one line per call of --layer and
-the forward's totals per module; writes everything to --out as JSON.
+the forward's totals per module; writes everything to --out as JSON. Columns: in-fwd (profiler),
+alone (events, L2 flushed before each run: the flush keeps the GPU busy while the call is
+launched), hot (events, back to back: includes the host's launch gap, so not a device time),
+floor (torch's pass over the same bytes), best (the fastest launch variant).
 """
 
 from __future__ import annotations

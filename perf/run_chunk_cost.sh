@@ -8,10 +8,7 @@ OUT=${OUT:-perf/results/chunk-cost}
 ROWS=${ROWS:-110 1024}
 COSTS=${COSTS:-32768,8192,2048}
 mkdir -p "$M" "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-[ -d "$M/demo-base" ] || python3 -m manylora.demo --size base --out "$M/demo-base" >/dev/null
-[ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
-    --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
+. perf/gpu_models.sh  # the checkout installed, the checkpoint and adapters under $M
 for rows in $ROWS; do
     for flight in 1024 0; do
         name="rows$rows-adapters$flight"

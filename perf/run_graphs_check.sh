@@ -9,10 +9,7 @@ set -u
 M=${M:-/tmp/manylora-models}
 OUT=${OUT:-perf/results/graphs}
 mkdir -p "$M" "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-[ -d "$M/demo-base" ] || python3 -m manylora.demo --size base --out "$M/demo-base" >/dev/null
-[ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
-    --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
+. perf/gpu_models.sh  # the checkout installed, the checkpoint and adapters under $M
 if [ "${TESTS:-1}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/engine/test_cuda_graphs.py tests/engine/test_gpu_memory.py \
         tests/engine/test_dense_heads.py tests/lora/test_lora_fidelity.py tests/kernels/test_span_scores.py \

@@ -7,10 +7,7 @@ set -u
 M=${M:-/tmp/manylora-models}
 OUT=${OUT:-perf/results/lora-calls}
 mkdir -p "$M" "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-[ -d "$M/demo-base" ] || python3 -m manylora.demo --size base --out "$M/demo-base" >/dev/null
-[ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
-    --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
+. perf/gpu_models.sh  # the checkout installed, the checkpoint and adapters under $M
 timeout "${CALLS_TIMEOUT:-300}" python3 perf/bench_lora_calls.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
     --rows "${ROWS:-256}" --out "$OUT/lora-calls.json" "$@" >"$OUT/lora-calls.txt" 2>&1
 tail -25 "$OUT/lora-calls.txt"

@@ -15,7 +15,7 @@ OUT=${OUT:-perf/results/sgmv}
 TOKENS=${TOKENS:-4096 16384 32768}
 SEGMENT=${SEGMENT:-128}
 mkdir -p "$M" "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+. perf/gpu_models.sh  # the checkout installed, the checkpoint and adapters under $M
 TABLE=kernels/configs/NVIDIA_H200.json
 cp "$TABLE" "$OUT/old.json"
 cp "$OUT/old.json" "$OUT/old2.json"
@@ -38,9 +38,6 @@ for op, entries in swept.items():
 old["_about"] += " Buckets " + ", ".join(k for k in swept["sgmv_expand"] if "h*" in k) + ": " + swept["_about"]
 open(sys.argv[3], "w").write(format_table(old))  # new.json: the loop below reads it
 PY
-[ -d "$M/demo-base" ] || python3 -m manylora.demo --size base --out "$M/demo-base" >/dev/null
-[ -d "$M/bench-adapters" ] || python3 perf/bench_engine.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \
-    --make-adapters 1024 --modes --out /dev/null >/dev/null 2>&1
 for arm in old new old2; do
     cp "$OUT/$arm.json" "$TABLE"
     timeout "${PROFILE_TIMEOUT:-150}" python3 perf/profile_core.py --checkpoint "$M/demo-base" --adapters "$M/bench-adapters" \

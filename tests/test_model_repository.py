@@ -108,6 +108,8 @@ def test_chunk_cost_tokens_parameter(tiny_checkpoint):
     parse = lambda **p: EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **p})  # noqa: E731
     assert parse().chunk_cost_tokens == 0 and parse(chunk_cost_tokens="auto").chunk_cost_tokens == 0
     assert parse(chunk_cost_tokens="2048").chunk_cost_tokens == 2048
+    assert parse().chunk_cost("cpu") == 128 and parse().chunk_cost("cuda") == parse().chunk_cost("xpu") == 32768
+    assert parse(chunk_cost_tokens="2048").chunk_cost("cpu") == 2048
 
 
 def test_threads_per_instance_share_the_host():
