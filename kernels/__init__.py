@@ -24,6 +24,7 @@ from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_s
 from .reference import (
     TOLERANCES,
     disentangled_attention_ref,
+    lora_linear_ref,
     position_scores_eager,
     position_scores_ref,
     relpos_bias_ref,
@@ -49,6 +50,7 @@ __all__ = [
     "expand",
     "key_lengths",
     "lora_apply",
+    "lora_linear_ref",
     "position_scores",
     "position_scores_eager",
     "position_scores_ref",
