@@ -24,7 +24,6 @@ from .meta import BLOCK_M_CHOICES, SgmvMeta, SgmvMetaBuilder, SgmvTiles, build_s
 from .reference import (
     TOLERANCES,
     disentangled_attention_ref,
-    lora_linear_ref,
     position_scores_eager,
     position_scores_ref,
     relpos_bias_ref,
@@ -50,7 +49,6 @@ __all__ = [
     "expand",
     "key_lengths",
     "lora_apply",
-    "lora_linear_ref",
     "position_scores",
     "position_scores_eager",
     "position_scores_ref",

@@ -100,29 +100,6 @@ def sgmv_expand_ref(
     return y
 
 
-def lora_linear_ref(
-    x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    v: torch.Tensor,  # [T, >= R_max]
-    lora_b: torch.Tensor,  # [num_slots, N, R_max]
-    scales: torch.Tensor,  # fp32 [num_slots]
-    meta: SgmvMeta,
-    ranks: torch.Tensor | None = None,  # int [num_slots]
-    residual: torch.Tensor | None = None,  # [T, N]
-    gelu: bool = False,
-) -> torch.Tensor:
-    """Semantics of lora_linear (every token has an adapter): x Wᵀ + b + each token's update, all
-    in float32, rounded once to x's dtype; then + residual and / or the exact GELU, each rounded
-    (torch's own passes on the stored row). Returns a new [T, N]."""
-    out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    sgmv_expand_ref(v, lora_b, scales, meta, out, ranks)  # float32 y: the update is added unrounded
-    out = out.to(x.dtype)
-    if residual is not None:
-        out = out + residual
-    return torch.nn.functional.gelu(out) if gelu else out
-
-
 def relpos_bias_ref(
     c2p: torch.Tensor | None,  # [B, h, L, W]
     p2c: torch.Tensor | None,  # [B, h, L, W]
