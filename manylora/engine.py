@@ -77,6 +77,12 @@ class CoreRequest(NamedTuple):
 CoreResult = Union[CompactRow, RequestError]
 
 
+# the GPU stage's host steps, timed in Engine.phase_seconds: each row's record from its ids
+# (prepare); per chunk, A (padding, copies, the forward queued), B (the heads up to the hits'
+# mask, with its wait for the count head) and C (the hits' nonzero, the copy, the compact rows)
+PHASES = ("prepare", "forward", "heads", "finish")
+
+
 def freeze_long_lived() -> None:
     """Move every object alive now out of the garbage collector's generations.
 
@@ -188,6 +194,9 @@ class Engine:
         # (rows, seconds, each job's seconds in the queue) per GPU-stage call of the overlapped
         # gliner2_core (serving.CoreModelHandler), drained by the metrics publisher
         self.call_stats: deque[tuple[int, float, list]] = deque(maxlen=4096)
+        # cumulative seconds of the GPU stage's steps (PHASES; serving.CoreModelHandler adds its
+        # threads' own), published as manylora_core_phase_seconds_total: where a call's time goes
+        self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.store = AdapterStore(
             config.adapter_dir,
             shapes,
@@ -564,6 +573,7 @@ class Engine:
         results: list[Optional[CoreResult]] = [None] * len(items)
         prepared: list[Prepared] = []
         found: dict = {}
+        started = time.perf_counter()
         for index, (input_ids, word_positions, schema_json, adapter_id, t_min) in enumerate(items):
             try:
                 adapter = self._adapter(adapter_id, found)
@@ -575,6 +585,7 @@ class Engine:
             except Exception as exc:
                 logger.exception("core item %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
+        self.phase_seconds["prepare"] += time.perf_counter() - started
         finish_core = self._core_begin(prepared, between)
 
         def finish() -> list[CoreResult]:
@@ -612,15 +623,15 @@ class Engine:
             for chunk in chunks if not self.config.chunk_pipeline else ():  # the A/B's other arm
                 self._run_chunk(chunk, out)
             for chunk in chunks if self.config.chunk_pipeline else ():
-                launched = self._step(self.forward, chunk, out)  # A
+                launched = self._timed("forward", self._step, self.forward, chunk, out)  # A
                 if pending is not None:
-                    self._finish_chunk(pending, out)  # C of the chunk before
+                    self._timed("finish", self._finish_chunk, pending, out)  # C of the chunk before
                 elif between is not None:
                     between()
                     between = None
                 pending = None
                 if launched is not None:
-                    pending = self._step(lambda c, launched=launched: self._heads_chunk(c, launched), chunk, out)  # B
+                    pending = self._timed("heads", self._step, self._heads_chunk, chunk, out, launched)  # B
                 launched = None  # chunk k's states are not kept through chunk k+1's forward
 
         def finish() -> list[CoreResult]:
@@ -628,15 +639,23 @@ class Engine:
                 if between is not None:
                     between()
                 if pending is not None:
-                    self._finish_chunk(pending, out)
+                    self._timed("finish", self._finish_chunk, pending, out)
             return [out[id(p)] for p in prepared]
 
         return finish
 
-    def _step(self, step, chunk: list[Prepared], out: dict):
-        """``step(chunk)``; should it raise, the chunk is answered by ``_recover`` and None is returned."""
+    def _timed(self, phase: str, fn, *args):
+        """``fn(*args)``, its wall time added to ``phase_seconds[phase]``."""
+        started = time.perf_counter()
         try:
-            return step(chunk)
+            return fn(*args)
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - started
+
+    def _step(self, step, chunk: list[Prepared], out: dict, *args):
+        """``step(chunk, *args)``; should it raise, the chunk is answered by ``_recover`` and None is returned."""
+        try:
+            return step(chunk, *args)
         except Exception as exc:
             self._recover(chunk, out, exc)
             return None

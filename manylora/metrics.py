@@ -16,6 +16,7 @@ instance keeps its own adapter cache). Families:
     manylora_core_queue_seconds                    histogram: a GPU-stage request's wait before its call starts
     manylora_cuda_graph_captures_total             counter: CUDA graphs captured (at load and on first use)
     manylora_cuda_graph_capture_seconds_total      counter: seconds those captures took in the GPU thread
+    manylora_core_phase_seconds_total{phase}       counter: seconds of the GPU stage's steps and threads
 
 The last three are the overlapped GPU stage's (``core_overlap: on``): where a request's time
 goes between Triton's queue and its answer. With ``chunk_pipeline`` a call's answers are
@@ -25,6 +26,14 @@ call's seconds include that step of the next call.
 The graph counters tell whether a phase of a benchmark paid for captures on first use (each
 ~50-100 ms in the GPU thread, session 12): with the 65,536-token cap the shapes of moderate and
 heavy load are captured while they are served. They stay 0 without CUDA graphs (CPU).
+
+The phase counter splits the GPU stage's time (``Engine.phase_seconds``): ``prepare`` (rows'
+records), ``forward`` / ``heads`` / ``finish`` (each chunk's steps A, B, C: host work and the
+waits for the GPU inside them), ``publish`` (these metrics), ``idle`` (the GPU thread waiting
+for a batch), ``parse`` (``execute`` checking a batch, in Triton's thread), ``answer`` (the
+answer thread packing and sending), and the two threads' CPU seconds (``gpu_thread_cpu``,
+``answer_thread_cpu``; CUDA's spin-waits count as CPU). Divided by the calls' count, they say
+where a call's wall time goes (``perf/bench_server.py`` prints that).
 """
 
 from __future__ import annotations
@@ -56,6 +65,8 @@ class AdapterMetrics:
         capture_seconds = family(
             "manylora_cuda_graph_capture_seconds_total", "Seconds of CUDA graph captures", family.COUNTER
         )
+        phases = family("manylora_core_phase_seconds_total", "Seconds of the GPU stage's steps", family.COUNTER)
+        self._labels = dict(labels)
         self.cache = {(e, t): cache.Metric(labels={**labels, "tier": t, "event": e}) for e in EVENTS for t in TIERS}
         self.resident = {t: resident.Metric(labels={**labels, "tier": t}) for t in TIERS}
         self.loading = loading.Metric(labels=dict(labels))
@@ -71,6 +82,8 @@ class AdapterMetrics:
         self.queue_seconds = queue_seconds.Metric(labels=dict(labels), buckets=CALL_BUCKETS)
         self.captures = captures.Metric(labels=dict(labels))
         self.capture_seconds = capture_seconds.Metric(labels=dict(labels))
+        self._phase_family = phases
+        self.phases: dict = {}  # phase -> metric, made when the phase is first seen
         self._published: dict = {}
         # families must outlive their metrics: assigned last, so they are also released last
         self._families = (
@@ -86,6 +99,7 @@ class AdapterMetrics:
             queue_seconds,
             captures,
             capture_seconds,
+            phases,
         )
 
     def close(self) -> None:
@@ -94,7 +108,8 @@ class AdapterMetrics:
         self.loads = self.batch_adapters = self.batch_waves = None
         self.call_rows = self.call_seconds = self.queue_seconds = None
         self.captures = self.capture_seconds = None
-        self._families = None
+        self.phases = {}
+        self._phase_family = self._families = None
 
     def publish(self, engine) -> None:
         store = engine.store
@@ -103,6 +118,10 @@ class AdapterMetrics:
         if graphs is not None:
             counters.append(("captures", self.captures, graphs.stats["captures"]))
             counters.append(("capture_seconds", self.capture_seconds, graphs.stats["capture_seconds"]))
+        for phase, total in list(getattr(engine, "phase_seconds", {}).items()):
+            if phase not in self.phases:
+                self.phases[phase] = self._phase_family.Metric(labels={**self._labels, "phase": phase})
+            counters.append((("phase", phase), self.phases[phase], total))
         for key, metric, total in counters:
             delta = total - self._published.get(key, 0)
             if delta:

@@ -609,7 +609,10 @@ class CoreModelHandler(TritonModelHandler):
             with self.profiler:
                 job = self._parse(requests)
                 return self._responses(job, self._run_job(job))
+        started = time.perf_counter()
         job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
+        phases = self.engine.phase_seconds
+        phases["parse"] = phases.get("parse", 0.0) + time.perf_counter() - started
         self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
 
@@ -667,9 +670,16 @@ class CoreModelHandler(TritonModelHandler):
 
         budget = self.MERGE_BUDGETS * self.engine.config.max_batch_tokens
         pending = None  # the last call's delivery, due
+        phases = self.engine.phase_seconds
+        cpu = time.thread_time()
         while True:
+            now = time.thread_time()  # this thread's CPU (with CUDA's spin-waits), between waits
+            phases["gpu_thread_cpu"] = phases.get("gpu_thread_cpu", 0.0) + now - cpu
+            cpu = now
             if pending is None:
+                started = time.perf_counter()
                 first = self._jobs.get()
+                phases["idle"] = phases.get("idle", 0.0) + time.perf_counter() - started
             else:
                 try:
                     first = self._jobs.get_nowait()
@@ -723,7 +733,10 @@ class CoreModelHandler(TritonModelHandler):
             try:
                 results = finish()
                 self.engine.call_stats.append((len(rows), time.monotonic() - started, waits))
+                published = time.perf_counter()
                 answers = self._item_answers(merged_items, results)
+                phases = self.engine.phase_seconds
+                phases["publish"] = phases.get("publish", 0.0) + time.perf_counter() - published
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("the GPU thread failed on a merged batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
@@ -737,10 +750,12 @@ class CoreModelHandler(TritonModelHandler):
         return _once(deliver)
 
     def _answer_loop(self) -> None:
+        phases = self.engine.phase_seconds
         while True:
             entry = self._answers.get()
             if entry is None:
                 return
+            started, cpu = time.perf_counter(), time.thread_time()
             senders, job, answers = entry
             try:
                 responses = self._responses(job, answers)
@@ -748,6 +763,8 @@ class CoreModelHandler(TritonModelHandler):
                 logger.exception("building GPU-stage responses failed")
                 responses = [self._error(RequestError(INTERNAL, f"answer failed: {exc}"))] * len(senders)
             self._send(senders, responses)
+            phases["answer"] = phases.get("answer", 0.0) + time.perf_counter() - started
+            phases["answer_thread_cpu"] = phases.get("answer_thread_cpu", 0.0) + time.thread_time() - cpu
 
     def finalize(self) -> None:
         if self.overlap:  # the queued jobs are still answered, then both threads stop

@@ -537,6 +537,8 @@ def batch_stats(before: Mapping, after: Mapping) -> dict:
 CALL_METRICS = ("manylora_core_call_rows", "manylora_core_call_seconds", "manylora_core_queue_seconds")
 # counters: the GPU stage's CUDA graph captures (a phase that captures pays ~50-100 ms a shape)
 CAPTURE_METRICS = ("manylora_cuda_graph_captures_total", "manylora_cuda_graph_capture_seconds_total")
+# counter per phase of the GPU stage (manylora.metrics): kept per label as "<name>:<phase>"
+PHASE_METRIC = "manylora_core_phase_seconds_total"
 
 
 def call_metrics(metrics_url: Optional[str]) -> dict[str, float]:
@@ -561,6 +563,9 @@ def parse_call_metrics(text: str) -> dict[str, float]:
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         histogram = name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in CALL_METRICS
+        if name == PHASE_METRIC and 'phase="' in line:
+            name = name + ":" + line.split('phase="', 1)[1].split('"', 1)[0]
+            histogram = True
         if histogram or name in CAPTURE_METRICS:
             try:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -581,7 +586,14 @@ def call_stats(before: Mapping, after: Mapping) -> dict:
 
     if not before or not after:  # a read failed: no phase figure rather than one since the start
         return {}
+    calls = after.get("manylora_core_call_rows_count", 0.0) - before.get("manylora_core_call_rows_count", 0.0)
+    phases = {
+        key.split(":", 1)[1]: round((after[key] - before.get(key, 0.0)) / calls * 1e3, 2)
+        for key in sorted(after)
+        if key.startswith(f"{PHASE_METRIC}:") and calls > 0
+    }
     return {
+        "core_phase_ms_per_call": phases,
         "core_call_rows": mean("manylora_core_call_rows"),
         "core_call_ms": mean("manylora_core_call_seconds", 1e3),
         "core_queue_ms": mean("manylora_core_queue_seconds", 1e3),
@@ -1037,6 +1049,8 @@ class Bench:
             f" ({row.get('core_capture_s')} s)",
             flush=True,
         )
+        if row.get("core_phase_ms_per_call"):
+            print(f"{'':>34s}  GPU stage ms per call: {row['core_phase_ms_per_call']}", flush=True)
         return row
 
     def run(self, datasets: list[tuple[str, Optional[str], int, Path]], light: set) -> None:

@@ -74,3 +74,18 @@ def test_an_engine_without_graphs_publishes_its_cache_and_leaves_the_graph_count
     metrics.publish(engine)
     assert (metrics.captures.value, metrics.capture_seconds.value) == (3, 0.25)
     assert metrics.cache[("hit", "host")].value == 5 and metrics.resident["host"].value == 1
+
+
+def test_phase_seconds_are_published_per_phase_as_deltas():
+    """Each of the GPU stage's phases gets its own labelled counter when first seen, and grows by
+    what the phase added since the last publish."""
+    metrics = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "0"})
+    engine = _engine()
+    engine.phase_seconds = {"prepare": 0.5, "forward": 0.0}
+    metrics.publish(engine)
+    engine.phase_seconds.update(forward=1.25, idle=2.0)  # a phase seen later gets its metric then
+    metrics.publish(engine)
+    metrics.publish(engine)
+    values = {phase: metric.value for phase, metric in metrics.phases.items()}
+    assert values == {"prepare": 0.5, "forward": 1.25, "idle": 2.0}
+    assert metrics.phases["idle"].labels == {"model": "gliner2_core", "instance": "0", "phase": "idle"}

@@ -696,6 +696,7 @@ def test_call_stats_are_means_of_the_phase_from_both_instances():
                 f'manylora_batch_waves_sum{{model="gliner2_core",instance="{instance}"}} 99',
                 f"manylora_cuda_graph_captures_total{labels} {captures}",
                 f"manylora_cuda_graph_capture_seconds_total{labels} {capture_s}",
+                f'manylora_core_phase_seconds_total{{model="gliner2_core",instance="{instance}",phase="heads"}} {seconds}',
             ]
         return "\n".join(lines)
 
@@ -704,6 +705,7 @@ def test_call_stats_are_means_of_the_phase_from_both_instances():
     assert before["manylora_core_call_rows_sum"] == 200 and "manylora_batch_waves_sum" not in before
     # per instance: 300 rows / 10 calls, 1.5 s / 10 calls, 1.2 s / 30 jobs
     assert bench_server.call_stats(before, after) == {
+        "core_phase_ms_per_call": {"heads": 150.0},  # per instance 1.5 s more over 10 calls
         "core_call_rows": 30.0,
         "core_call_ms": 150.0,
         "core_queue_ms": 40.0,
