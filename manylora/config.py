@@ -152,11 +152,6 @@ class EngineConfig:
     # dead stub was answering through response senders; tests/e2e/test_soak_faults.py failed with it)
     front_inflight: int = 1
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
-    # GPU stage: the process's GIL switch interval (sys.setswitchinterval), µs; 0 = Python's own (5,000).
-    # The GPU thread gives the GIL up at every torch op and CUDA wait; while the parse or answer
-    # thread holds it, it waits up to this long to get it back (session 18: the GPU thread was
-    # ~99% busy at 70% load, a third of it off the CPU, manylora_core_phase_seconds_total)
-    gil_switch_us: int = 0
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
     cuda_graph_warmup_rows: int = 16  # GPU stage: graphs captured at load for batches of up to this many rows
@@ -323,13 +318,6 @@ class EngineConfig:
             False,
             "GPU stage: 'on' (default) replays the encoder forward of each batch shape as a CUDA graph "
             "(captured on first use; one launch instead of ~300); 'off' launches every kernel (for A/B runs)",
-        ),
-        "gil_switch_us": (
-            _count,
-            False,
-            "GPU stage: the process's GIL switch interval in microseconds (Python's sys.setswitchinterval): "
-            "how long the GPU thread may wait for the interpreter lock while the parse or answer thread holds "
-            "it; 0 (default) keeps Python's 5,000",
         ),
         "core_overlap": (
             _on_off,

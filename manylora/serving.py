@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -585,8 +584,6 @@ class CoreModelHandler(TritonModelHandler):
         self.core_model = ""
         self._load_engine(config, args, model_config, device)
         self.vocab = len(self.engine.processor.tokenizer)
-        if config.gil_switch_us:  # the whole stub process: its own interpreter
-            sys.setswitchinterval(config.gil_switch_us / 1e6)
         if config.core_overlap:
             self.start_overlap()
         freeze_long_lived()

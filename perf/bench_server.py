@@ -98,8 +98,6 @@ DESIGNS = (
     "pipeline-unfused-epilogue",
     "pipeline-2x-fronts",
     "pipeline-fine-chunks",
-    "pipeline-gil-1ms",
-    "pipeline-gil-200us",
     "single",
 )
 CORE_OVERRIDES = {
@@ -111,8 +109,6 @@ CORE_OVERRIDES = {
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
     "pipeline-unfused-epilogue": {"fused_lora_epilogue": "off"},
     "pipeline-fine-chunks": {"chunk_cost_tokens": "2048"},
-    "pipeline-gil-1ms": {"gil_switch_us": "1000"},
-    "pipeline-gil-200us": {"gil_switch_us": "200"},
 }
 # designs that change the front (gliner2) instead
 FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
