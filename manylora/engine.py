@@ -77,9 +77,11 @@ class CoreRequest(NamedTuple):
 CoreResult = Union[CompactRow, RequestError]
 
 
-# the GPU stage's host steps, timed in Engine.phase_seconds: each row's record from its ids
-# (prepare); per chunk, A (padding, copies, the forward queued), B (the heads up to the hits'
-# mask, with its wait for the count head) and C (the hits' nonzero, the copy, the compact rows)
+# the GPU stage's host steps, timed in Engine.phase_seconds (wall, and the thread's CPU as
+# "<phase>_cpu"): each row's record from its ids (prepare); per chunk, A (padding, copies, the
+# forward queued), B (the heads up to the hits' mask, with its wait for the count head) and C
+# (the hits' nonzero, the copy, the compact rows). Wall well above CPU: the thread waited for
+# the interpreter lock or a blocking call (CUDA's spin-waits count as CPU)
 PHASES = ("prepare", "forward", "heads", "finish")
 
 
@@ -196,7 +198,7 @@ class Engine:
         self.call_stats: deque[tuple[int, float, list]] = deque(maxlen=4096)
         # cumulative seconds of the GPU stage's steps (PHASES; serving.CoreModelHandler adds its
         # threads' own), published as manylora_core_phase_seconds_total: where a call's time goes
-        self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.phase_seconds: dict[str, float] = dict.fromkeys([*PHASES, *(f"{p}_cpu" for p in PHASES)], 0.0)
         self.store = AdapterStore(
             config.adapter_dir,
             shapes,
@@ -573,7 +575,7 @@ class Engine:
         results: list[Optional[CoreResult]] = [None] * len(items)
         prepared: list[Prepared] = []
         found: dict = {}
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         for index, (input_ids, word_positions, schema_json, adapter_id, t_min) in enumerate(items):
             try:
                 adapter = self._adapter(adapter_id, found)
@@ -586,6 +588,7 @@ class Engine:
                 logger.exception("core item %d could not be prepared", index)
                 results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
         self.phase_seconds["prepare"] += time.perf_counter() - started
+        self.phase_seconds["prepare_cpu"] += time.thread_time() - cpu
         finish_core = self._core_begin(prepared, between)
 
         def finish() -> list[CoreResult]:
@@ -645,12 +648,13 @@ class Engine:
         return finish
 
     def _timed(self, phase: str, fn, *args):
-        """``fn(*args)``, its wall time added to ``phase_seconds[phase]``."""
-        started = time.perf_counter()
+        """``fn(*args)``, its wall and CPU time added to ``phase_seconds[phase]`` / ``[phase_cpu]``."""
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
             self.phase_seconds[phase] += time.perf_counter() - started
+            self.phase_seconds[f"{phase}_cpu"] += time.thread_time() - cpu
 
     def _step(self, step, chunk: list[Prepared], out: dict, *args):
         """``step(chunk, *args)``; should it raise, the chunk is answered by ``_recover`` and None is returned."""

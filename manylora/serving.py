@@ -34,8 +34,11 @@ class ExecuteProfiler:
     """cProfile of an instance's ``execute()`` calls, for finding where a loaded server's host
     time goes: on when ``MANYLORA_PROFILE_DIR`` is set in tritonserver's environment. Stats are
     written to ``<dir>/<instance>-<pid>.prof`` every ``every`` calls and at unload; read them
-    with ``python -m pstats`` (several instances' files can be merged there with ``add``). Only
-    the thread that runs ``execute`` is profiled (not the adapter loader threads). A failure
+    with ``python -m pstats`` (several instances' files can be merged there with ``add``). Before
+    Python 3.12 only the profiled thread is seen (``execute``'s, or the GPU stage's GPU thread); from
+    3.12 on cProfile sees every thread of the process while it is on (session 18: the GPU stage's
+    file held its parse and answer threads too), and a thread waiting for the interpreter lock inside
+    a function adds that wait to the function's own time. A failure
     (folder not writable, disk full) is logged once and turns profiling off: it never fails a
     request or the model's load."""
 
