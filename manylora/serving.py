@@ -765,8 +765,11 @@ class CoreModelHandler(TritonModelHandler):
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("building GPU-stage responses failed")
                 responses = [self._error(RequestError(INTERNAL, f"answer failed: {exc}"))] * len(senders)
+            packed = time.perf_counter()
             self._send(senders, responses)
-            phases["answer"] = phases.get("answer", 0.0) + time.perf_counter() - started
+            done = time.perf_counter()
+            phases["answer_pack"] = phases.get("answer_pack", 0.0) + packed - started
+            phases["answer_send"] = phases.get("answer_send", 0.0) + done - packed
             phases["answer_thread_cpu"] = phases.get("answer_thread_cpu", 0.0) + time.thread_time() - cpu
 
     def finalize(self) -> None:
