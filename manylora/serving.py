@@ -24,6 +24,7 @@ from manylora.client import protocol
 from manylora.client.protocol import Request
 from manylora.engine import Engine, freeze_long_lived
 from manylora.errors import CODES, INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError
+from manylora.pre import Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -613,9 +614,10 @@ class CoreModelHandler(TritonModelHandler):
                 job = self._parse(requests)
                 return self._responses(job, self._run_job(job))
         started = time.perf_counter()
-        job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
+        groups, items = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
         phases = self.engine.phase_seconds
         phases["parse"] = phases.get("parse", 0.0) + time.perf_counter() - started
+        job = (groups, self._prepare(items))  # here, not in the GPU thread (Engine.prepare_core)
         self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
 
@@ -632,6 +634,16 @@ class CoreModelHandler(TritonModelHandler):
             except Exception as exc:
                 groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
         return groups, items
+
+    def _prepare(self, items: list) -> list:
+        """The items' rows made GPU-stage rows (``Engine.prepare_core``: a Prepared, or the row's
+        RequestError); items that are already a RequestError stay. Measured (H200, session 18,
+        ``manylora_core_phase_seconds_total``): in the GPU thread this took 5-8 ms of its 60-110 ms
+        calls of ~150-370 LoRA rows (three ``stat`` calls per adapter, each giving the interpreter
+        lock up), while the parse thread mostly waits."""
+        rows = [item for item in items if not isinstance(item, RequestError)]
+        done = iter(self.engine.prepare_core(rows))
+        return [item if isinstance(item, RequestError) else next(done) for item in items]
 
     def _run_job(self, job: tuple[list, list]) -> list:
         """Each item's CompactRow, or its RequestError."""
@@ -695,7 +707,7 @@ class CoreModelHandler(TritonModelHandler):
                     pending()
                 self._answers.put(None)
                 return
-            jobs, tokens = [first], _job_tokens(first[1])
+            jobs, tokens = [first], _job_tokens(first[1][1])
             while tokens < budget:
                 try:
                     nxt = self._jobs.get_nowait()
@@ -705,7 +717,7 @@ class CoreModelHandler(TritonModelHandler):
                     self._jobs.put(None)  # stop after this merged call
                     break
                 jobs.append(nxt)
-                tokens += _job_tokens(nxt[1])
+                tokens += _job_tokens(nxt[1][1])
             with self.profiler:
                 pending = self._begin_jobs(jobs, pending)
                 if not self.engine.config.chunk_pipeline:  # the A/B's other arm: every call delivered at once
@@ -879,7 +891,15 @@ def _once(fn: Optional[Callable[[], None]]) -> Callable[[], None]:
 
 
 def _job_tokens(items: list) -> int:
-    return sum(len(item[0]) for item in items if not isinstance(item, RequestError))
+    """Tokens of a job's rows: its items (``job[1]``: Engine.prepare_core's entries, or the parsed
+    items). Until session 18 the GPU thread passed the whole job (groups, items) here, which
+    counted ~7 tokens a job, so every waiting job was merged whatever the budget (a call of
+    1,351 rows was seen under overload)."""
+    return sum(
+        item.num_tokens if isinstance(item, Prepared) else len(item[0])
+        for item in items
+        if not isinstance(item, RequestError)
+    )
 
 
 def _text(value, name: str) -> str:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from manylora.client import protocol
 from manylora.client.protocol import Request
 
+from manylora import serving
 from manylora.engine import RequestError
 from manylora.serving import ExecuteProfiler, TritonModelHandler, decode_request
 
@@ -413,6 +414,39 @@ def test_gpu_thread_delivers_the_last_call_once_the_next_forward_is_queued(tiny_
         packed = wire.unpack_rows(response.output_tensors[1].array.reshape(-1)[0])
         for p, arrays, want in zip(prepared, packed, engine.run([Request(t, schema) for t in texts])):
             assert engine.post.decode(CompactRow.from_arrays(arrays), p.record, p.metadata, 0.5) == want
+
+
+def test_gpu_thread_merges_waiting_jobs_up_to_its_token_budget(tiny_checkpoint):
+    """The GPU thread merges the jobs that wait into one engine call while the call's tokens are
+    below MERGE_BUDGETS token budgets, counting each job's rows' tokens (the rows come to it
+    prepared by the parse thread: Engine.prepare_core)."""
+    import queue
+
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine, Request
+    from manylora.pre import Prepared
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint)}))
+    core = _core_handler(engine)
+    schema = json.dumps({"entities": ["person", "company"]})
+    prepared = [
+        engine.pre.prepare(i, Request(t, schema)) for i, t in enumerate(["Tim Cook runs Apple.", "Ada met Bob."])
+    ]
+    tokens = sum(len(p.record.input_ids) for p in prepared)
+    jobs = []
+    for _ in range(3):
+        groups, items = core._parse([SenderRequest(_core_request(prepared, schema))])
+        items = core._prepare(items)
+        assert all(isinstance(item, Prepared) for item in items) and serving._job_tokens(items) == tokens
+        jobs.append((["sender"], (groups, items), time.monotonic()))
+    core.MERGE_BUDGETS = 1.5 * tokens / engine.config.max_batch_tokens  # room for one job and a half
+    core._jobs, core._answers = queue.SimpleQueue(), queue.SimpleQueue()
+    calls = []
+    core._begin_jobs = lambda merged, before: calls.append(len(merged)) or (lambda: None)
+    for job in [*jobs, None]:
+        core._jobs.put(job)
+    core._gpu_loop()
+    assert calls == [2, 1], "a call takes jobs while below the budget: two, then the third alone"
 
 
 def test_gpu_stage_fails_an_over_limit_row_alone_and_answers_the_others(tiny_checkpoint):
