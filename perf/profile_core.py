@@ -96,11 +96,13 @@ def main(argv=None) -> int:
     engine.run_core(items)  # warm-up: kernels compile, shapes are seen
     sync()
     walls = []
+    before = dict(engine.phase_seconds)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         engine.run_core(items)
         sync()
         walls.append(time.perf_counter() - t0)
+    phases = {k: round((v - before.get(k, 0.0)) * 1e3 / args.repeats, 2) for k, v in engine.phase_seconds.items()}
 
     def set_pipeline(on: bool) -> None:
         engine.config = dataclasses.replace(engine.config, chunk_pipeline=on)
@@ -168,6 +170,9 @@ def main(argv=None) -> int:
         f"run_core {best * 1e3:.1f} ms "
         f"= {best * 1e3 / args.rows:.3f} ms/row ({args.rows / best:.0f} rows/s), walls {[round(w, 3) for w in walls]}"
     ]
+    # the engine's phases (manylora_core_phase_seconds_total's engine part): ms per run_core, wall
+    # and this thread's CPU; wall above CPU is a wait for the GPU or a blocking call
+    lines.append(f"phases, ms per run_core: {phases}")
     if device.startswith("cuda"):  # the GPU's own time: the bound if host work hid behind it entirely
         kernel_ms, kernels = gpu_kernel_ms(lambda: engine.run_core(items), sync)
         (args.out / "core-kernels.txt").write_text(kernels)

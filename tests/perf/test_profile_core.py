@@ -3,6 +3,7 @@ compares (speed is never asserted here)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -24,3 +25,7 @@ def test_chunk_cost_ab_reports_each_value_its_chunks_and_equal_answers(tiny_chec
         assert line and "0 of 12 rows with other hits, 0 failed in either arm" in line.group(0), out
     assert "chunk_pipeline A/B" not in out  # --ab picks the A/Bs
     assert (tmp_path / "core-tottime.txt").exists()
+    # the engine's phases of the timed runs only (the A/Bs' runs come after them)
+    phases = ast.literal_eval(re.search(r"^phases, ms per run_core: (\{.*\})$", out, re.M).group(1))
+    assert set(phases) >= {"prepare", "forward", "heads", "finish", "forward_cpu"}, phases
+    assert phases["forward"] > 0 and phases["prepare"] > 0, phases
