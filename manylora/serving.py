@@ -29,6 +29,19 @@ from manylora.pre import Prepared
 logger = logging.getLogger(__name__)
 
 PROFILE_ENV = "MANYLORA_PROFILE_DIR"  # set: every instance profiles its execute() calls (README)
+# set too: only the instances of these models (comma list), e.g. gliner2_core alone: profiling
+# all 64 fronts as well halved the H200 server's rate (session 18)
+PROFILE_MODELS_ENV = "MANYLORA_PROFILE_MODELS"
+
+
+def profile_folder(model_name: str) -> Optional[str]:
+    """Where ``model_name``'s instances write their execute() profiles: ``$MANYLORA_PROFILE_DIR``,
+    unless ``$MANYLORA_PROFILE_MODELS`` is set and does not name the model (None: no profiling)."""
+    folder = os.environ.get(PROFILE_ENV)
+    models = os.environ.get(PROFILE_MODELS_ENV)
+    if folder and models is not None and model_name not in {m.strip() for m in models.split(",")}:
+        return None
+    return folder
 
 
 class ExecuteProfiler:
@@ -244,7 +257,7 @@ class TritonModelHandler:
 
         config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
         self.core_model = config.core_model
-        self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
+        self.profiler = ExecuteProfiler(profile_folder(args.get("model_name", "")), args.get("model_instance_name", ""))
         self.engine = self.control = self.metrics = None
         if self.core_model:
             from manylora.engine import load_gliner2_skeleton
@@ -584,7 +597,7 @@ class CoreModelHandler(TritonModelHandler):
         model_config = json.loads(args["model_config"])
         device = instance_device(args)
         config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
-        self.profiler = ExecuteProfiler(os.environ.get(PROFILE_ENV), args.get("model_instance_name", ""))
+        self.profiler = ExecuteProfiler(profile_folder(args.get("model_name", "")), args.get("model_instance_name", ""))
         self.core_model = ""
         self._load_engine(config, args, model_config, device)
         self.vocab = len(self.engine.processor.tokenizer)

@@ -75,6 +75,19 @@ def handler(tiny_checkpoint, demo_adapters):
     return handler
 
 
+def test_profiling_can_be_limited_to_named_models(monkeypatch, tmp_path):
+    """MANYLORA_PROFILE_DIR turns profiling on for every model; MANYLORA_PROFILE_MODELS, when set,
+    keeps it to the models it names."""
+    monkeypatch.delenv("MANYLORA_PROFILE_MODELS", raising=False)
+    monkeypatch.delenv("MANYLORA_PROFILE_DIR", raising=False)
+    assert serving.profile_folder("gliner2") is None
+    monkeypatch.setenv("MANYLORA_PROFILE_DIR", str(tmp_path))
+    assert serving.profile_folder("gliner2") == serving.profile_folder("gliner2_core") == str(tmp_path)
+    monkeypatch.setenv("MANYLORA_PROFILE_MODELS", "gliner2_core, manylora_control")
+    assert serving.profile_folder("gliner2") is None
+    assert serving.profile_folder("gliner2_core") == serving.profile_folder("manylora_control") == str(tmp_path)
+
+
 def test_execute_profiler_writes_stats_of_the_profiled_calls(handler, tmp_path):
     """With a folder (MANYLORA_PROFILE_DIR), execute() calls are profiled and their stats
     written every ``every`` calls and on dump; without one, nothing is profiled or written."""
