@@ -562,14 +562,18 @@ class Engine:
         adapter_id, t_min) as the front sends them; one CompactRow or RequestError each."""
         return self.core_begin(items)()
 
-    def prepare_core(self, items: Sequence[tuple]) -> list[Union[Prepared, RequestError]]:
-        """Each item (input_ids, word_positions, schema_json, adapter_id, t_min), as the front sends
-        it, made a GPU-stage row: its record and its adapter looked up (a ``Prepared``), or its
-        RequestError. May wait for adapters' disk loads (``adapter_load_timeout``); never raises.
-        Safe beside a running ``core_begin``: the overlapped GPU stage runs it on its parse thread,
-        so that the adapter lookups' ``stat`` calls and the records are off the GPU thread."""
+    @torch.inference_mode()
+    def core_begin(self, items: Sequence[tuple], between: Optional[Callable[[], None]] = None):
+        """``run_core`` but for its last chunk's host work: returns ``finish() -> results``.
+        ``between`` (the previous call's ``finish``, say) runs once this call's first forward
+        is queued, so the GPU has that forward to run while the host finishes the previous
+        call (``_core_begin``). Nothing here raises for a bad item; ``finish`` never raises."""
         self.store.prefetch(item[3] for item in items)
-        entries: list[Union[Prepared, RequestError]] = []
+        if between is not None and not self.store.in_host({item[3] for item in items if item[3]}):
+            between()  # a lookup below may wait for a disk load: the last call's answers go first
+            between = None
+        results: list[Optional[CoreResult]] = [None] * len(items)
+        prepared: list[Prepared] = []
         found: dict = {}
         started, cpu = time.perf_counter(), time.thread_time()
         for index, (input_ids, word_positions, schema_json, adapter_id, t_min) in enumerate(items):
@@ -577,39 +581,14 @@ class Engine:
                 adapter = self._adapter(adapter_id, found)
                 record, metadata = self.pre.core_record(input_ids, word_positions, schema_json)
                 request = CoreRequest(adapter_id, schema_json, t_min)
-                entries.append(Prepared(index, request, record, metadata, len(record.input_ids), adapter, t_min))
+                prepared.append(Prepared(index, request, record, metadata, len(record.input_ids), adapter, t_min))
             except RequestError as exc:
-                entries.append(exc.with_traceback(None))
+                results[index] = exc.with_traceback(None)
             except Exception as exc:
                 logger.exception("core item %d could not be prepared", index)
-                entries.append(RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}"))
+                results[index] = RequestError(INTERNAL, f"request could not be prepared: {type(exc).__name__}: {exc}")
         self.phase_seconds["prepare"] += time.perf_counter() - started
         self.phase_seconds["prepare_cpu"] += time.thread_time() - cpu
-        return entries
-
-    @torch.inference_mode()
-    def core_begin(self, items: Sequence, between: Optional[Callable[[], None]] = None):
-        """``run_core`` but for its last chunk's host work: returns ``finish() -> results``.
-        ``items``: as ``run_core`` takes them, or already ``prepare_core``'s entries (a Prepared or a
-        RequestError each; a Prepared belongs to this call from now on). ``between`` (the previous
-        call's ``finish``, say) runs once this call's first forward is queued, so the GPU has that
-        forward to run while the host finishes the previous call (``_core_begin``). Nothing here
-        raises for a bad item; ``finish`` never raises."""
-        raw = [item for item in items if isinstance(item, tuple)]
-        if raw:
-            if between is not None and not self.store.in_host({item[3] for item in raw if item[3]}):
-                between()  # a lookup below may wait for a disk load: the last call's answers go first
-                between = None
-            done = iter(self.prepare_core(raw))
-            items = [next(done) if isinstance(item, tuple) else item for item in items]
-        results: list[Optional[CoreResult]] = [None] * len(items)
-        prepared: list[Prepared] = []
-        for index, entry in enumerate(items):
-            if isinstance(entry, Prepared):
-                entry.index = index
-                prepared.append(entry)
-            else:
-                results[index] = entry  # its RequestError
         finish_core = self._core_begin(prepared, between)
 
         def finish() -> list[CoreResult]:

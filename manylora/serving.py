@@ -24,7 +24,6 @@ from manylora.client import protocol
 from manylora.client.protocol import Request
 from manylora.engine import Engine, freeze_long_lived
 from manylora.errors import CODES, INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError
-from manylora.pre import Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -627,10 +626,9 @@ class CoreModelHandler(TritonModelHandler):
                 job = self._parse(requests)
                 return self._responses(job, self._run_job(job))
         started = time.perf_counter()
-        groups, items = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
+        job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
         phases = self.engine.phase_seconds
         phases["parse"] = phases.get("parse", 0.0) + time.perf_counter() - started
-        job = (groups, self._prepare(items))  # here, not in the GPU thread (Engine.prepare_core)
         self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
 
@@ -647,16 +645,6 @@ class CoreModelHandler(TritonModelHandler):
             except Exception as exc:
                 groups.append(RequestError(INVALID_ARG, f"bad GPU-stage request: {type(exc).__name__}: {exc}"))
         return groups, items
-
-    def _prepare(self, items: list) -> list:
-        """The items' rows made GPU-stage rows (``Engine.prepare_core``: a Prepared, or the row's
-        RequestError); items that are already a RequestError stay. Measured (H200, session 18,
-        ``manylora_core_phase_seconds_total``): in the GPU thread this took 5-8 ms of its 60-110 ms
-        calls of ~150-370 LoRA rows (three ``stat`` calls per adapter, each giving the interpreter
-        lock up), while the parse thread mostly waits."""
-        rows = [item for item in items if not isinstance(item, RequestError)]
-        done = iter(self.engine.prepare_core(rows))
-        return [item if isinstance(item, RequestError) else next(done) for item in items]
 
     def _run_job(self, job: tuple[list, list]) -> list:
         """Each item's CompactRow, or its RequestError."""
@@ -904,15 +892,10 @@ def _once(fn: Optional[Callable[[], None]]) -> Callable[[], None]:
 
 
 def _job_tokens(items: list) -> int:
-    """Tokens of a job's rows: its items (``job[1]``: Engine.prepare_core's entries, or the parsed
-    items). Until session 18 the GPU thread passed the whole job (groups, items) here, which
-    counted ~7 tokens a job, so every waiting job was merged whatever the budget (a call of
-    1,351 rows was seen under overload)."""
-    return sum(
-        item.num_tokens if isinstance(item, Prepared) else len(item[0])
-        for item in items
-        if not isinstance(item, RequestError)
-    )
+    """Tokens of a job's rows: its parsed items (``job[1]``). Until session 18 the GPU thread passed
+    the whole job (groups, items) here, which counted ~7 tokens a job, so every waiting job was
+    merged whatever the budget (a call of 1,351 rows was seen under overload)."""
+    return sum(len(item[0]) for item in items if not isinstance(item, RequestError))
 
 
 def _text(value, name: str) -> str:

@@ -431,13 +431,11 @@ def test_gpu_thread_delivers_the_last_call_once_the_next_forward_is_queued(tiny_
 
 def test_gpu_thread_merges_waiting_jobs_up_to_its_token_budget(tiny_checkpoint):
     """The GPU thread merges the jobs that wait into one engine call while the call's tokens are
-    below MERGE_BUDGETS token budgets, counting each job's rows' tokens (the rows come to it
-    prepared by the parse thread: Engine.prepare_core)."""
+    below MERGE_BUDGETS token budgets, counting each job's rows' tokens."""
     import queue
 
     from manylora.config import EngineConfig
     from manylora.engine import Engine, Request
-    from manylora.pre import Prepared
 
     engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint)}))
     core = _core_handler(engine)
@@ -448,10 +446,9 @@ def test_gpu_thread_merges_waiting_jobs_up_to_its_token_budget(tiny_checkpoint):
     tokens = sum(len(p.record.input_ids) for p in prepared)
     jobs = []
     for _ in range(3):
-        groups, items = core._parse([SenderRequest(_core_request(prepared, schema))])
-        items = core._prepare(items)
-        assert all(isinstance(item, Prepared) for item in items) and serving._job_tokens(items) == tokens
-        jobs.append((["sender"], (groups, items), time.monotonic()))
+        job = core._parse([SenderRequest(_core_request(prepared, schema))])
+        assert serving._job_tokens(job[1]) == tokens
+        jobs.append((["sender"], job, time.monotonic()))
     core.MERGE_BUDGETS = 1.5 * tokens / engine.config.max_batch_tokens  # room for one job and a half
     core._jobs, core._answers = queue.SimpleQueue(), queue.SimpleQueue()
     calls = []
