@@ -568,8 +568,11 @@ class Engine:
         ``between`` (the previous call's ``finish``, say) runs once this call's first forward
         is queued, so the GPU has that forward to run while the host finishes the previous
         call (``_core_begin``). Nothing here raises for a bad item; ``finish`` never raises."""
+        # checked before the prefetch: a load it starts may finish before a later check (a race
+        # that a fresh-clone CI run hit), and the lookup below would have waited for it anyway
+        cold = between is not None and not self.store.in_host({item[3] for item in items if item[3]})
         self.store.prefetch(item[3] for item in items)
-        if between is not None and not self.store.in_host({item[3] for item in items if item[3]}):
+        if cold:
             between()  # a lookup below may wait for a disk load: the last call's answers go first
             between = None
         results: list[Optional[CoreResult]] = [None] * len(items)
