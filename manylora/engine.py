@@ -24,7 +24,7 @@ import bisect
 import gc
 import logging
 import time
-from collections import deque
+from collections import defaultdict, deque
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -75,14 +75,6 @@ class CoreRequest(NamedTuple):
 
 
 CoreResult = Union[CompactRow, RequestError]
-
-
-# the GPU stage's host steps, timed in Engine.phase_seconds (wall, and the thread's CPU as
-# "<phase>_cpu"): each row's record from its ids (prepare); per chunk, A (padding, copies, the
-# forward queued), B (the heads up to the hits' mask, with its wait for the count head) and C
-# (the hits' nonzero, the copy, the compact rows). Wall well above CPU: the thread waited for
-# the interpreter lock or a blocking call (CUDA's spin-waits count as CPU)
-PHASES = ("prepare", "forward", "heads", "finish")
 
 
 def freeze_long_lived() -> None:
@@ -196,9 +188,13 @@ class Engine:
         # (rows, seconds, each job's seconds in the queue) per GPU-stage call of the overlapped
         # gliner2_core (serving.CoreModelHandler), drained by the metrics publisher
         self.call_stats: deque[tuple[int, float, list]] = deque(maxlen=4096)
-        # cumulative seconds of the GPU stage's steps (PHASES; serving.CoreModelHandler adds its
-        # threads' own), published as manylora_core_phase_seconds_total: where a call's time goes
-        self.phase_seconds: dict[str, float] = dict.fromkeys([*PHASES, *(f"{p}_cpu" for p in PHASES)], 0.0)
+        # cumulative seconds of the GPU stage's host steps, published as
+        # manylora_core_phase_seconds_total: each row's record from its ids (prepare); per chunk,
+        # A (padding, copies, the forward queued: forward), B (the heads up to the hits' mask:
+        # heads) and C (the hits' nonzero, the copy, the compact rows: finish), each also as
+        # "<phase>_cpu", the thread's CPU (wall well above it: waits for the interpreter lock or a
+        # blocking call; CUDA's spin-waits count as CPU). serving.CoreModelHandler adds its threads'
+        self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         self.store = AdapterStore(
             config.adapter_dir,
             shapes,

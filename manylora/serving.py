@@ -628,7 +628,7 @@ class CoreModelHandler(TritonModelHandler):
         started = time.perf_counter()
         job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
         phases = self.engine.phase_seconds
-        phases["parse"] = phases.get("parse", 0.0) + time.perf_counter() - started
+        phases["parse"] += time.perf_counter() - started
         self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
 
@@ -690,12 +690,12 @@ class CoreModelHandler(TritonModelHandler):
         cpu = time.thread_time()
         while True:
             now = time.thread_time()  # this thread's CPU (with CUDA's spin-waits), between waits
-            phases["gpu_thread_cpu"] = phases.get("gpu_thread_cpu", 0.0) + now - cpu
+            phases["gpu_thread_cpu"] += now - cpu
             cpu = now
             if pending is None:
                 started = time.perf_counter()
                 first = self._jobs.get()
-                phases["idle"] = phases.get("idle", 0.0) + time.perf_counter() - started
+                phases["idle"] += time.perf_counter() - started
             else:
                 try:
                     first = self._jobs.get_nowait()
@@ -752,7 +752,7 @@ class CoreModelHandler(TritonModelHandler):
                 published = time.perf_counter()
                 answers = self._item_answers(merged_items, results)
                 phases = self.engine.phase_seconds
-                phases["publish"] = phases.get("publish", 0.0) + time.perf_counter() - published
+                phases["publish"] += time.perf_counter() - published
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("the GPU thread failed on a merged batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
@@ -781,9 +781,9 @@ class CoreModelHandler(TritonModelHandler):
             packed = time.perf_counter()
             self._send(senders, responses)
             done = time.perf_counter()
-            phases["answer_pack"] = phases.get("answer_pack", 0.0) + packed - started
-            phases["answer_send"] = phases.get("answer_send", 0.0) + done - packed
-            phases["answer_thread_cpu"] = phases.get("answer_thread_cpu", 0.0) + time.thread_time() - cpu
+            phases["answer_pack"] += packed - started
+            phases["answer_send"] += done - packed
+            phases["answer_thread_cpu"] += time.thread_time() - cpu
 
     def finalize(self) -> None:
         if self.overlap:  # the queued jobs are still answered, then both threads stop
