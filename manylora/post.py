@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from manylora import wire
 from manylora.decode import device_tensor
 
 __all__ = [
@@ -142,6 +143,44 @@ class CompactRow:
             grid=np.asarray(arrays["grid"], dtype=np.int32).reshape(-1),
             dtype=CODE_DTYPES[int(np.asarray(arrays["dtype"]).reshape(-1)[0])],
         )
+
+
+def pack_compact_rows(rows: Sequence[Optional[CompactRow]]) -> bytes:
+    """``wire.pack_rows([None if r is None else r.to_arrays() for r in rows])``, byte for byte,
+    with one concatenation per field instead of eight arrays and a dict per row.
+
+    Measured (``perf/bench_host_steps.py``, its "pack" step: 512 rows in requests of 16, this
+    repository's 2-core CPU host): the GPU stage's responses 9.8 -> 4.7 us per row. The answer
+    thread competes with the GPU thread for the interpreter lock."""
+    present = [r for r in rows if r is not None]
+    n = len(present)
+    packed: dict[str, np.ndarray] = {"_present": np.array([r is not None for r in rows], dtype=np.bool_)}
+    if not n:
+        return wire.pack_arrays(packed)
+
+    def lengths(arrays: list) -> np.ndarray:
+        return np.fromiter(map(len, arrays), dtype=np.int64, count=n)
+
+    # each field of every row is 1-D (hits [N, 5]): one concatenation each, no per-row reshape
+    for name, dtype in (("counts", np.int32), ("cls_sizes", np.int32), ("cls_probs", np.float32)):
+        arrays = [getattr(r, name) for r in present]
+        packed[f"{name}.shape"] = lengths(arrays).reshape(n, 1)
+        packed[name] = np.concatenate(arrays).astype(dtype, copy=False)
+    hits = [r.hits for r in present]
+    packed["hits.shape"] = np.stack([lengths(hits), np.full(n, 5, dtype=np.int64)], axis=1)
+    packed["hits"] = np.concatenate(hits).astype(np.int32, copy=False).reshape(-1)
+    scores = [r.scores for r in present]
+    packed["scores.shape"] = lengths(scores).reshape(n, 1)
+    packed["scores"] = np.concatenate(scores).astype(np.float32, copy=False)
+    logits = [r.hit_logits for r in present]  # [M, F] or [0, 0]
+    packed["hit_logits.shape"] = np.array([a.shape for a in logits], dtype=np.int64).reshape(n, 2)
+    packed["hit_logits"] = np.concatenate([a.reshape(-1) for a in logits]).astype(np.float32, copy=False)
+    grids = [r.grid for r in present]
+    packed["grid.shape"] = lengths(grids).reshape(n, 1)
+    packed["grid"] = np.concatenate(grids).astype(np.int32, copy=False)
+    packed["dtype.shape"] = np.ones((n, 1), dtype=np.int64)
+    packed["dtype"] = np.fromiter((DTYPE_CODES[r.dtype] for r in present), dtype=np.int8, count=n)
+    return wire.pack_arrays(packed)
 
 
 # ----------------------------------------------------------------------------- thresholds

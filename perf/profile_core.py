@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     engine.run_core(items)
     sync()
     profile.disable()
+    profile.dump_stats(args.out / "core.prof")  # the whole profile, for pstats (callers, callees)
     best = min(walls)
     graphs = "" if engine.graphs is None else f", graphs {engine.graphs.stats}"
     lines = [

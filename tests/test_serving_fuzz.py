@@ -459,6 +459,48 @@ def test_gpu_thread_merges_waiting_jobs_up_to_its_token_budget(tiny_checkpoint):
     assert calls == [2, 1], "a call takes jobs while below the budget: two, then the third alone"
 
 
+def test_gpu_thread_publishes_metrics_after_answers_and_at_most_every_interval(tiny_checkpoint):
+    """The overlapped GPU stage publishes its metrics at most every METRICS_INTERVAL_S (not in
+    every call), and once more while idle with calls unpublished (so a scrape after the last
+    answer is at most one interval behind)."""
+    import queue
+    import threading
+
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine, Request
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint)}))
+    core = _core_handler(engine)
+    schema = json.dumps({"entities": ["person"]})
+    prepared = [engine.pre.prepare(0, Request("Tim Cook runs Apple.", schema))]
+    core._jobs, core._answers = queue.SimpleQueue(), queue.SimpleQueue()
+    core.METRICS_INTERVAL_S = 0.5
+    published = []  # when each publish ran
+
+    class Counting:
+        def publish(self, engine) -> None:
+            published.append(time.monotonic())
+
+    core.metrics = Counting()
+    thread = threading.Thread(target=core._gpu_loop, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    for _ in range(3):  # three calls in quick succession: one publish for the first ...
+        core._jobs.put((["sender"], core._parse([SenderRequest(_core_request(prepared, schema))]), time.monotonic()))
+        while core._answers.qsize() < 1:
+            time.sleep(0.005)
+        core._answers.get()
+    deadline = time.monotonic() + 5
+    while len(published) < 2 and time.monotonic() < deadline:  # ... one for the other two, once due
+        time.sleep(0.01)
+    core._jobs.put(None)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(published) == 2, published
+    assert published[1] - published[0] >= core.METRICS_INTERVAL_S
+    assert published[0] >= started and "publish" in engine.phase_seconds
+
+
 def test_gpu_stage_fails_an_over_limit_row_alone_and_answers_the_others(tiny_checkpoint):
     """gliner2_core (CoreModelHandler) gets a front's rows in one request. A row above its own
     max_request_tokens (a front configured with a larger limit) gets INVALID_ARG alone; the

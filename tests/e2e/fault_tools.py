@@ -136,6 +136,25 @@ def send_together(url: str, batch: Sequence[list], model: str = protocol.MODEL_N
         client.close()
 
 
+def metrics_when(url: str, check: Callable[[str], None], timeout: float = 10.0) -> str:
+    """The server's /metrics text once ``check(text)`` passes (it raises AssertionError until
+    then): the GPU stage publishes its metrics at most every METRICS_INTERVAL_S, after the
+    answers, so a scrape right after the last answer may be a little behind."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        try:
+            check(text)
+            return text
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def execution_counts(url: str, model: str = protocol.MODEL_NAME) -> tuple[int, int]:
     """(executions, inferences) of the model so far: one execution per dynamic batch."""
     client = grpcclient.InferenceServerClient(url)
