@@ -934,7 +934,8 @@ def saturation_lines(rows: list[Mapping]) -> list[str]:
 def estimate_s(args, n_modes: int, n_light: int) -> float:
     point = args.max_trials * args.interval_ms / 1e3 + PHASE_OVERHEAD_S
     warm = args.max_trials * args.warmup_ms / 1e3 + PHASE_OVERHEAD_S
-    per_mode = warm + point * (len(args.concurrency) + len(args.open_fractions) + len(args.rates))
+    opens = len(args.open_fractions) + len(args.rates)
+    per_mode = warm * (1 + opens * bool(getattr(args, "warmup_open", False))) + point * (len(args.concurrency) + opens)
     return n_modes * per_mode + n_light * point
 
 
@@ -965,7 +966,11 @@ class Bench:
             return True
         return False
 
-    def warmup(self, data: Path, tag: str) -> None:
+    def warmup(self, data: Path, tag: str, rate: Optional[float] = None) -> None:
+        """A discarded run: at the first closed-loop concurrency, or at an open-loop ``rate``
+        (``--warmup-open``: each open loop's batch shapes have their CUDA graphs captured before
+        it is measured, as in a server that has run at that load; the row still counts the
+        captures made while measuring)."""
         if self.out_of_time(self.args.max_trials * self.args.warmup_ms / 1e3 + PHASE_OVERHEAD_S, f"{tag} warm-up"):
             return
         # adapters reach the caches, kernels compile, shapes are seen: discarded
@@ -974,11 +979,13 @@ class Bench:
                 self.url,
                 data,
                 data.with_suffix(".warmup.csv"),
-                concurrency=self.args.concurrency[0],
+                concurrency=None if rate is not None else self.args.concurrency[0],
+                rate=rate,
                 interval_ms=self.args.warmup_ms,
                 max_trials=self.args.max_trials,
                 async_mode=not self.args.closed_sync,
                 max_threads=self.args.max_threads,
+                request_distribution=self.args.request_distribution,
             )
         except RuntimeError as exc:
             print(f"{self.design} {tag} warm-up: FAILED: {exc}", flush=True)
@@ -992,6 +999,8 @@ class Bench:
         if self.out_of_time(a.max_trials * a.interval_ms / 1e3 + PHASE_OVERHEAD_S, tag):
             return None
         rate = kw.get("rate")
+        if rate is not None and a.warmup_open:
+            self.warmup(data, tag, rate=rate)
         calls0 = call_metrics(self.metrics_url)
         before, snap0, t0 = model_counts(self.url), self.cpu.snapshot(), time.monotonic()
         try:
@@ -1118,6 +1127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval-ms", type=int, default=4000)
     p.add_argument("--max-trials", type=int, default=3, help="perf_analyzer windows per load (>= 3)")
     p.add_argument("--warmup-ms", type=int, default=1000, help="window of the discarded warm-up run of each mode")
+    p.add_argument(
+        "--warmup-open",
+        action="store_true",
+        help="also a discarded warm-up at each open-loop rate, right before it is measured",
+    )
     p.add_argument("--time-budget-s", type=float, default=0, help="skip phases that would end past this (0 = none)")
     p.add_argument("--server-timeout-s", type=float, default=600)
     p.add_argument("--out", type=Path, required=True)

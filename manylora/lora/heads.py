@@ -41,8 +41,10 @@ class HeadLoraLinear(nn.Module):
         self.name = name
         self.base = base
         self._heads = store_ref
-        self.rows: Optional[torch.Tensor] = None  # [N] slot per leading row of the input (-1 = none)
-        self.single: Optional[int] = None  # one slot for the whole call
+        # this call's slots, set by HeadLoras._set in place (no nn.Module attribute set per call):
+        # None, ("single", slot) for one slot for the whole call, or ("rows", index, selected) per
+        # leading row of the input: index [N] its slot clamped at 0, selected [N, 1, 1] slot >= 0
+        self.call: list = [None]
 
     @property
     def weight(self) -> torch.Tensor:  # GLiNER2 reads .weight of some head layers directly
@@ -55,15 +57,15 @@ class HeadLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         store = self._heads.store
-        if store is None or (self.rows is None and self.single is None):
+        call = self.call[0]
+        if store is None or call is None:
             return y
         a_all, b_all, scales = store.a[self.name], store.b[self.name], store.scales[self.name]
-        if self.single is not None:
-            slot = self.single
+        if call[0] == "single":
+            slot = call[1]
             delta = nn.functional.linear(nn.functional.linear(x, a_all[slot]), b_all[slot])
             return y + delta * scales[slot].to(y.dtype)
-        slots = self.rows
-        index = slots.clamp(min=0)  # base rows (-1) gather slot 0 ...
+        _, index, selected = call  # base rows (-1) gather slot 0 ...
         scale = scales.index_select(0, index)  # [N]
         n = x.shape[0]
         flat = x.reshape(n, -1, x.shape[-1])  # [N, M, in]
@@ -72,7 +74,7 @@ class HeadLoraLinear(nn.Module):
         delta = delta * scale.view(n, 1, 1).to(delta.dtype)
         # ... and their update is selected away, never multiplied by zero: a non-finite slot 0
         # would make NaN x 0 = NaN for them
-        delta = torch.where((slots >= 0).view(n, 1, 1), delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+        delta = torch.where(selected, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
         return y + delta.reshape(y.shape)
 
 
@@ -83,6 +85,7 @@ class HeadLoras:
         self.model = model
         self.store: Optional[AdapterStore] = None
         self.linears: dict[str, HeadLoraLinear] = {}
+        self._by_prefixes: dict[tuple, list[HeadLoraLinear]] = {}  # _set's layers per prefixes
         self.row_slots: Optional[Sequence[int]] = None  # slot per row of the batch being decoded
         # the dense span scores through kernels/spanscores.py instead of GLiNER2's score_queries
         # (the engine's fused_span_scores parameter; a GPU with the triton backend)
@@ -102,6 +105,12 @@ class HeadLoras:
                     wrapper = HeadLoraLinear(full, module, self)
                     setattr(parent, child, wrapper)
                     self.linears[full] = wrapper
+
+    def _layers(self, prefixes: tuple[str, ...]) -> list[HeadLoraLinear]:
+        layers = self._by_prefixes.get(prefixes)
+        if layers is None:
+            layers = self._by_prefixes[prefixes] = [m for n, m in self.linears.items() if n.startswith(prefixes)]
+        return layers
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {n: (m.base.in_features, m.base.out_features) for n, m in self.linears.items()}
@@ -125,19 +134,21 @@ class HeadLoras:
         active = self.row_slots is not None and (
             (rows is not None and any(s >= 0 for s in rows)) or (single is not None and single >= 0)
         )
-        chosen = [m for n, m in self.linears.items() if n.startswith(prefixes)] if active else []
-        device = next(iter(self.linears.values())).base.weight.device if chosen else None
-        row_tensor = device_tensor(list(rows), device) if chosen and rows is not None else None
+        chosen = self._layers(prefixes) if active else []
+        call = None
+        if chosen and rows is not None:
+            # the rows' gather index and mask once for all chosen layers (three launches fewer per layer)
+            slots = device_tensor(list(rows), next(iter(self.linears.values())).base.weight.device)
+            call = ("rows", slots.clamp(min=0), (slots >= 0).view(-1, 1, 1))
+        elif chosen:
+            call = ("single", single)
         for module in chosen:
-            if rows is not None:
-                module.rows = row_tensor
-            else:
-                module.single = single
+            module.call[0] = call
         try:
             yield
         finally:
             for module in chosen:
-                module.rows, module.single = None, None
+                module.call[0] = None
 
     def span_logits(self, batch, all_token_embs, all_schema_embs):
         """GLiNER2's direct span logits for a whole batch, with each row's head LoRA.

@@ -373,6 +373,47 @@ def test_bench_open_loop_rows_record_asked_and_achieved_rates(tmp_path, monkeypa
         assert row["gpu_busy_pct"] is None, "no nvidia-smi samples"
 
 
+def test_warmup_open_runs_a_discarded_warm_up_at_each_open_rate(tmp_path, monkeypatch):
+    """--warmup-open: right before each open loop, a warm-up at that same rate whose result is
+    no row (and without it, the only warm-up is the mode's, at the first concurrency)."""
+    import subprocess
+
+    def counter():
+        n = 0
+        while True:
+            yield {"gliner2": {"inference": 100 * n, "execution": 10 * n}}
+            n += 1
+
+    commands = []
+    for warm in (False, True):
+        bench, args = _bench(tmp_path / str(warm), monkeypatch, counter(), achieved=lambda asked: asked)
+        args.warmup_open = warm
+        (tmp_path / str(warm)).mkdir()
+        data = tmp_path / str(warm) / "base.json"
+        data.write_text("{}")
+        fake = subprocess.run
+        ran = []
+        monkeypatch.setattr(bench_server.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or fake(cmd, **kw))
+        bench.run([("base", None, 0, data)], light=set())
+        loads = []
+        for cmd in ran:
+            if "perf_analyzer" not in cmd[0]:
+                continue
+            warm_up = str(cmd[cmd.index("-f") + 1]).endswith(".warmup.csv")
+            rate = cmd[cmd.index("--request-rate-range") + 1] if "--request-rate-range" in cmd else None
+            loads.append(("warm-up" if warm_up else "measure", rate))
+        commands.append(loads)
+        rows = [json.loads(line) for line in args.out.read_text().splitlines()]
+        assert [r["load"] for r in rows] == ["closed", "closed", "open", "open"]
+    assert commands[0] == [("warm-up", None)] + [("measure", None)] * 2 + [("measure", "700"), ("measure", "1400")]
+    assert commands[1] == [("warm-up", None)] + [("measure", None)] * 2 + [
+        ("warm-up", "700"),
+        ("measure", "700"),
+        ("warm-up", "1400"),
+        ("measure", "1400"),
+    ]
+
+
 def test_cpu_per_request_per_stage(tmp_path):
     from bench_server import Proc
 
