@@ -1,6 +1,6 @@
 """Encoder states -> the token states GLiNER2's heads read.
 
-``device_tensor`` / ``host_to_device`` / ``batch_to_device``: host data to the GPU without a
+``device_tensor`` / ``device_lists`` / ``host_to_device`` / ``batch_to_device``: host data to the GPU without a
 stream sync each. ``encode_padded``: GLiNER2's ``encode_tokens`` takes per-row states and pads them again (a
 copy per row); the engine already has them padded, so this masks the padding in one
 operation (GLiNER2 zero-fills it; the values read downstream are the same). Decoding itself
@@ -8,6 +8,9 @@ is ``manylora.post``'s.
 """
 
 from __future__ import annotations
+
+from itertools import chain
+from typing import Sequence
 
 import torch
 
@@ -28,6 +31,13 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64
     and an asynchronous copy on CUDA (a plain ``torch.tensor(..., device=cuda)`` waits for the
     GPU to drain the stream, serialising the host with the kernels already queued)."""
     return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def device_lists(lists: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """Several small host lists of ints as int64 tensors on ``device`` through one copy: views
+    of one tensor, in order (``device_tensor`` costs three operations and a copy per list)."""
+    flat = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
+    return list(host_to_device(flat, device).split([len(values) for values in lists]))
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -760,11 +760,11 @@ class CoreModelHandler(TritonModelHandler):
                 results = finish()
                 self.engine.call_stats.append((len(rows), time.monotonic() - started, waits))
                 answers = self._item_answers(merged_items, results, publish=False)
-                self._unpublished = True
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("the GPU thread failed on a merged batch")
                 error = RequestError(INTERNAL, f"inference failed: {type(exc).__name__}: {exc}")
                 answers = [error] * len(merged_items)
+            self._unpublished = True  # the call's counters (cache events, phases) changed either way
             offset = 0
             for senders, job, _ in jobs:
                 n = len(job[1])

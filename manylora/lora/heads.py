@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from manylora.decode import device_tensor, host_to_device
+from manylora.decode import device_lists, device_tensor
 from manylora.lora.store import AdapterStore
 
 HEAD_MODULES = ("span_rep", "classifier", "count_pred", "count_embed")
@@ -125,7 +125,16 @@ class HeadLoras:
             self.row_slots = None
 
     @contextmanager
-    def _set(self, prefixes: tuple[str, ...], rows: Optional[Sequence[int]] = None, single: Optional[int] = None):
+    def _set(
+        self,
+        prefixes: tuple[str, ...],
+        rows: Optional[Sequence[int]] = None,
+        single: Optional[int] = None,
+        rows_on_device: Optional[torch.Tensor] = None,
+    ):
+        """The head layers under ``prefixes`` apply ``rows[i]``'s adapter to leading row i of their
+        input, or ``single``'s to all, inside the block (``rows_on_device``: ``rows`` on the
+        GPU already, from ``device_lists``)."""
         if rows is not None and rows and rows[0] >= 0 and all(s == rows[0] for s in rows):
             # every row the same adapter (a lone request, a one-adapter chunk): two GEMMs, where the
             # per-row path gathers, runs two batched GEMMs and selects (H200 profile_core, one LoRA row:
@@ -138,7 +147,9 @@ class HeadLoras:
         call = None
         if chosen and rows is not None:
             # the rows' gather index and mask once for all chosen layers (three launches fewer per layer)
-            slots = device_tensor(list(rows), next(iter(self.linears.values())).base.weight.device)
+            slots = rows_on_device
+            if slots is None:
+                slots = device_tensor(list(rows), next(iter(self.linears.values())).base.weight.device)
             call = ("rows", slots.clamp(min=0), (slots >= 0).view(-1, 1, 1))
         elif chosen:
             call = ("single", single)
@@ -227,6 +238,10 @@ class HeadLoras:
 
         Measured (H200, perf/profile_core.py): the per-row gathers, stacks, concatenations and
         padding copies of the list path were about half of the GPU stage's host time per row.
+        Its index lists go to the GPU in one copy for an entity-only chunk (two otherwise), where
+        each took three operations and a pinned copy (``device_lists``): ``perf/count_head_ops.py``
+        on the CPU host, operations per chunk 287 -> 261 for 64 LoRA rows, 149 -> 132 for base
+        rows, plus ~11 pinned copies fewer on a GPU. Not yet timed on a GPU (session 19).
         """
         model = self.model
         rows = len(batch)
@@ -249,35 +264,93 @@ class HeadLoras:
         plan = {"pred_counts": pred_counts, "rows": []}
         if not records:
             return None, plan
-        prompt_rows = device_tensor([r for r, _, _ in records], device)
-        prompt_pos = device_tensor([p[0] for _, _, p in records], device)
-        with self._set(("count_pred",), rows=[slots[r] for r, _, _ in records]):
-            count_out = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1)
+        count_slots = [slots[r] for r, _, _ in records]
+        prompts = ([r for r, _, _ in records], [p[0] for _, _, p in records], count_slots)
         counted, counted_records = [], []  # the tasks with queries, and each one's index in records
-        if self.count_gate and all(batch.task_types[row][task] == "entities" for row, task, _ in records):
+        gated = self.count_gate and all(batch.task_types[row][task] == "entities" for row, task, _ in records)
+        if gated:
             # entity tasks only: GLiNER2 scores instance 0 of a task with a count above 0, and the
             # count embedding's step 0 does not depend on the count. So the count is not waited
             # for here (a sync in the middle of each chunk's heads): every task with fields gets
             # its queries, the count gates its hits on the GPU, and the counts reach the host in
-            # the hits' one copy (post.compact_dense_begin)
-            plan["counts"] = (count_out, [(row, task) for row, task, _ in records])
+            # the hits' one copy (post.compact_dense_begin). Nothing below waits for the GPU, so
+            # every index list of the chunk goes to the GPU in one copy
             for k, (row, task, positions) in enumerate(records):
                 if len(positions) > 1:
                     counted.append((row, task, positions, 1))
                     counted_records.append(k)
+            layout = self._dense_layout(batch, counted, counted_records, slots, len(records)) if counted else None
+            on_device = device_lists(list(prompts) + (layout["lists"] if layout else []), device)
+        else:
+            on_device = device_lists(list(prompts), device)
+        prompt_rows, prompt_pos, count_slots_t = on_device[:3]
+        with self._set(("count_pred",), rows=count_slots, rows_on_device=count_slots_t):
+            count_out = model.count_pred(hidden[prompt_rows, prompt_pos]).argmax(dim=-1)
+        if gated:
+            plan["counts"] = (count_out, [(row, task) for row, task, _ in records])
+            lists = on_device[3:]
         else:
             for k, ((row, task, positions), count) in enumerate(zip(records, count_out.tolist())):
                 pred_counts[row][task] = int(count)
                 if count > 0 and len(positions) > 1:
                     counted.append((row, task, positions, int(count)))
                     counted_records.append(k)
-        if not counted:
+            layout = self._dense_layout(batch, counted, counted_records, slots, len(records)) if counted else None
+            lists = device_lists(layout["lists"], device) if layout else []
+        if layout is None:
             return None, plan
+        # the layout's lists on the device, in _dense_layout's order
+        field_rows, field_pos, field_slots, active_t, span_slots, lengths = lists[:6]
+        flat_dest, source = (lists[6], lists[7]) if layout["flat_dest"] is not None else (None, None)
+        gate_index = lists[-1] if gated else None
+        plan["rows"] = layout["plan_rows"]
+        initial = hidden[field_rows, field_pos]
+        projected = self._count_embed_flat(
+            layout["steps"], initial, layout["field_slots"], field_slots
+        )  # [longest, sum M, H]
+        longest, total_fields = projected.shape[0], projected.shape[1]
+        active, width_q = layout["active"], layout["width_q"]
+        hidden_size = hidden.shape[-1]
+        flat = projected.reshape(longest * total_fields, hidden_size)
+        if flat_dest is None:
+            # one instance per task and as many queries in every row: the queries are the
+            # projections in order (source is 0, 1, ...: fields are numbered in row and task order)
+            queries = flat.view(len(active), width_q, hidden_size)
+        else:
+            queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
+            queries[flat_dest] = flat[source]
+            queries = queries.reshape(len(active), width_q, hidden_size)
+        if gated:  # [A, Q]: whether each query's task has a count above 0 (padding: False)
+            counts_padded = torch.cat([count_out, count_out.new_zeros(1)])
+            plan["query_gate"] = (counts_padded[gate_index] > 0).view(len(active), width_q)
+        max_words = layout["max_words"]
+        word_index = batch.text_word_indices[:, :max_words].to(device)[active_t]
+        word_mask = batch.text_word_mask[:, :max_words].to(device)[active_t]
+        tokens = hidden[active_t.unsqueeze(1), word_index]
+        tokens = torch.where(word_mask.unsqueeze(-1), tokens, torch.zeros((), dtype=tokens.dtype, device=device))
+        with self._set(("span_rep",), rows=layout["span_slots"], rows_on_device=span_slots):
+            logits = self._span_scores(tokens, queries, lengths)
+        return logits, plan
+
+    def _dense_layout(self, batch, counted, counted_records, slots, n_records: int) -> dict:
+        """The host side of ``span_logits_dense`` after the counts: where each field's embedding
+        is, each query's place in the padded [A, Q] queries, the active rows and their slots and
+        word counts. ``lists`` holds the index lists for the GPU, in this order: field rows,
+        field positions, field slots, active rows, their slots, their word counts, then (when
+        the queries need a scatter) destinations and sources, then (``count_gate``) each padded
+        query's task as its index in the records (``n_records`` for padding)."""
+        from gliner2.layers import CountLSTM
+
+        embed = self.model.count_embed
+        if type(embed) is not CountLSTM:
+            raise NotImplementedError("dense heads need GLiNER2's CountLSTM")
+        words = batch.text_word_counts
+        steps = [min(count, embed.max_count) for _, _, _, count in counted]
+        longest = max(steps)
         field_rows = [row for row, _, positions, _ in counted for _ in positions[1:]]
         field_pos = [pos for _, _, positions, _ in counted for pos in positions[1:]]
-        initial = hidden[device_tensor(field_rows, device), device_tensor(field_pos, device)]
-        projected, steps = self._count_embed_flat(counted, initial, slots)  # [longest, sum M, H]
-        longest, total_fields = projected.shape[0], projected.shape[1]
+        field_slots = [slots[row] for row, _, positions, _ in counted for _ in positions[1:]]
+        total_fields = len(field_rows)
         # queries of each row in GLiNER2's order: its span tasks in task order, each as
         # [instances, fields] flattened (entities keep instance 0 only)
         by_row: dict[int, list] = {}
@@ -288,7 +361,7 @@ class HeadLoras:
             by_row.setdefault(row, []).append((task, instances, fields, offset, record))
             offset += fields
         active = sorted(by_row)
-        per_row, source, query_records = [], [], []  # query_records: each query's task, as its index in records
+        per_row, source, query_records, plan_rows = [], [], [], []  # query_records: each query's task (records index)
         for row in active:
             q = 0
             tasks = []
@@ -300,41 +373,35 @@ class HeadLoras:
                 query_records.extend([record] * (instances * fields))
                 q += instances * fields
             per_row.append(q)
-            plan["rows"].append((row, words[row], tasks))
+            plan_rows.append((row, words[row], tasks))
         width_q = max(per_row)
-        hidden_size = hidden.shape[-1]
-        flat = projected.reshape(longest * total_fields, hidden_size)
-        if longest == 1 and all(q == width_q for q in per_row):
-            # one instance per task and as many queries in every row: the queries are the
-            # projections in order (source is 0, 1, ...: fields are numbered in row and task order)
-            flat_dest = None
-            queries = flat.view(len(active), width_q, hidden_size)
-        else:
+        flat_dest = None
+        if not (longest == 1 and all(q == width_q for q in per_row)):
             flat_dest = []
             for a, q in enumerate(per_row):
                 flat_dest.extend(range(a * width_q, a * width_q + q))
-            queries = torch.zeros(len(active) * width_q, hidden_size, device=device, dtype=hidden.dtype)
-            queries[device_tensor(flat_dest, device)] = flat[device_tensor(source, device)]
-            queries = queries.reshape(len(active), width_q, hidden_size)
-        if "counts" in plan:  # [A, Q]: whether each query's task has a count above 0 (padding: False)
-            gate_index = torch.tensor(query_records, dtype=torch.long)
-            if flat_dest is not None:
-                gate_index = torch.full((len(active) * width_q,), len(records), dtype=torch.long).index_put_(
-                    (torch.tensor(flat_dest, dtype=torch.long),), gate_index
-                )
-            counts_padded = torch.cat([count_out, count_out.new_zeros(1)])
-            gate = counts_padded[host_to_device(gate_index, device)] > 0
-            plan["query_gate"] = gate.view(len(active), width_q)
-        active_t = device_tensor(active, device)
         lengths = [words[row] for row in active]
-        max_words = max(lengths)
-        word_index = batch.text_word_indices[:, :max_words].to(device)[active_t]
-        word_mask = batch.text_word_mask[:, :max_words].to(device)[active_t]
-        tokens = hidden[active_t.unsqueeze(1), word_index]
-        tokens = torch.where(word_mask.unsqueeze(-1), tokens, torch.zeros((), dtype=tokens.dtype, device=device))
-        with self._set(("span_rep",), rows=[slots[row] for row in active]):
-            logits = self._span_scores(tokens, queries, device_tensor(lengths, device))
-        return logits, plan
+        span_slots = [slots[row] for row in active]
+        lists = [field_rows, field_pos, field_slots, active, span_slots, lengths]
+        if flat_dest is not None:
+            lists += [flat_dest, source]
+        gate_index = query_records
+        if flat_dest is not None:
+            gate_index = [n_records] * (len(active) * width_q)
+            for dest, record in zip(flat_dest, query_records):
+                gate_index[dest] = record
+        lists.append(gate_index)
+        return {
+            "lists": lists,
+            "steps": steps,
+            "field_slots": field_slots,
+            "span_slots": span_slots,
+            "active": active,
+            "width_q": width_q,
+            "flat_dest": flat_dest,
+            "plan_rows": plan_rows,
+            "max_words": max(lengths),
+        }
 
     def _span_scores(self, tokens: torch.Tensor, queries: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """GLiNER2's ``_compute_span_scores_core(tokens, queries, lengths, mask_invalid=True)``; with
@@ -344,24 +411,20 @@ class HeadLoras:
             return self.model._compute_span_scores_core(tokens, queries, lengths, mask_invalid=True)
         return fused_span_scores(layer, tokens, queries, lengths)
 
-    def _count_embed_flat(self, counted, initial: torch.Tensor, slots) -> tuple[torch.Tensor, list[int]]:
-        """GLiNER2's CountLSTM for every task of ``counted`` at once, on their gathered field
-        embeddings ``initial`` [sum M, H] (tasks in order; each task's third item holds its
-        prompt then its fields): the [longest, sum M, H] projections and each task's steps."""
-        from gliner2.layers import CountLSTM
-
+    def _count_embed_flat(
+        self, steps: list[int], initial: torch.Tensor, field_slots: list[int], on_device: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """GLiNER2's CountLSTM for every task at once, on their gathered field embeddings
+        ``initial`` [sum M, H] (tasks in order), each field with its row's slot
+        (``field_slots``; ``on_device``: the same on the GPU, if already there): the
+        [max(steps), sum M, H] projections, of which each task keeps its own first steps."""
         embed = self.model.count_embed
-        if type(embed) is not CountLSTM:
-            raise NotImplementedError("dense heads need GLiNER2's CountLSTM")
-        steps = [min(count, embed.max_count) for _, _, _, count in counted]
         longest = max(steps)
         positions = embed.pos_embedding(torch.arange(longest, device=initial.device))
         states = embed.gru(positions.unsqueeze(1).expand(longest, initial.shape[0], initial.shape[1]), initial)
         joined = torch.cat([states, initial.unsqueeze(0).expand_as(states)], dim=-1).transpose(0, 1)
-        field_slots = [slots[row] for row, _, fields, _ in counted for _ in range(len(fields) - 1)]
-        with self._set(("count_embed",), rows=field_slots):
-            projected = embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
-        return projected, steps
+        with self._set(("count_embed",), rows=field_slots, rows_on_device=on_device):
+            return embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
 
     def classification_probabilities(self, batch, all_schema_embs) -> list[list[Optional[torch.Tensor]]]:
         """Each (row, classification task)'s class probabilities, each row with its own head LoRA
@@ -409,7 +472,9 @@ class HeadLoras:
                     out.append(embed(embeddings[1:], count))
             return out
         fields = [embeddings[1:] for _, _, embeddings, _ in counted]
-        projected, steps = self._count_embed_flat(counted, torch.cat(fields), slots)  # [longest, sum M, H]
+        steps = [min(count, embed.max_count) for _, _, _, count in counted]
+        field_slots = [slots[row] for (row, _, _, _), f in zip(counted, fields) for _ in range(f.shape[0])]
+        projected = self._count_embed_flat(steps, torch.cat(fields), field_slots)  # [longest, sum M, H]
         out, start = [], 0
         for f, count in zip(fields, steps):
             out.append(projected[:count, start : start + f.shape[0]])

@@ -17,3 +17,17 @@ def test_encode_padded_equals_gliner2_padding(reference_model):
     per_row = [hidden[row, :n] for row, n in enumerate(lengths)]
     expected = type(reference_model).encode_tokens(reference_model, batch, per_row)
     assert torch.equal(encode_padded(batch, hidden), expected)
+
+
+def test_device_lists_are_the_lists_in_order_through_one_copy():
+    """manylora.decode.device_lists: each list as an int64 tensor with its values, empty ones
+    included, all views of one tensor (one host-to-device copy for all of them)."""
+    from manylora.decode import device_lists
+
+    lists = [[3, 1, 4], [], [1], [5, 9, 2, 6], []]
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    out = device_lists(lists, device)
+    assert [t.tolist() for t in out] == lists
+    assert all(t.dtype == torch.int64 and t.device.type == torch.device(device).type for t in out)
+    base = out[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in out)
