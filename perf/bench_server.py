@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import json
 import os
@@ -817,6 +818,24 @@ def git_info(root: Path = ROOT) -> dict:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
+CODE_FOLDERS = ("manylora", "kernels", "model_repository")  # what the server runs
+
+
+def code_sha(root: Path = ROOT) -> str:
+    """The first 12 hex digits of a SHA-256 over the served code (every file under CODE_FOLDERS
+    but caches, by path): it names the code a run measured where ``git`` cannot, as on the lent
+    GPU host, whose copy of the tree keeps the git state of the session's start (the rows of
+    sessions 18 and 19 carry that commit). ``--print-code-sha`` prints it for a checkout."""
+    digest = hashlib.sha256()
+    for folder in CODE_FOLDERS:
+        files = sorted(p for p in (Path(root) / folder).rglob("*") if p.is_file())
+        for path in files:
+            if "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def machine_info() -> dict:
     info = {"host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
     torch = sys.modules.get("torch")
@@ -1128,6 +1147,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-trials", type=int, default=3, help="perf_analyzer windows per load (>= 3)")
     p.add_argument("--warmup-ms", type=int, default=1000, help="window of the discarded warm-up run of each mode")
     p.add_argument(
+        "--print-code-sha",
+        action="store_true",
+        help="print the served code's hash (the rows' code_sha) for this checkout and exit",
+    )
+    p.add_argument(
         "--warmup-open",
         action="store_true",
         help="also a discarded warm-up at each open-loop rate, right before it is measured",
@@ -1192,6 +1216,9 @@ def datasets_of(args, work: Path, names: list[str]) -> tuple[list, set]:
 def main(argv=None) -> int:
     # a stage timeout (SIGTERM) still stops the server, keeps its log and prints the table (finally)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if "--print-code-sha" in (sys.argv[1:] if argv is None else argv):
+        print(code_sha())
+        return 0
     args = build_parser().parse_args(argv)
     if args.max_trials < 3:
         raise SystemExit("--max-trials must be >= 3 (perf_analyzer's stability check needs 3 windows)")
@@ -1214,6 +1241,7 @@ def main(argv=None) -> int:
     common_base = {
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["bench_server.py", *argv]),
         **git_info(),
+        "code_sha": code_sha(),
         "machine": machine_info(),
         "adapters_available": len(names),
         "gpu_slots": args.gpu_slots,

@@ -795,3 +795,22 @@ def test_design_of_names_only_a_design_whose_every_setting_matches(tmp_path, eng
     assert design("four", design="pipeline", front_inflight=4) == "pipeline-inflight"
     with pytest.raises(ValueError, match="both set front_inflight"):
         design("conflict", design="pipeline-inflight", front_inflight=2)
+
+
+def test_code_sha_names_the_served_code(tmp_path, capsys):
+    """code_sha: the same for the same files, another when a served file changes or is added,
+    blind to caches; --print-code-sha prints this checkout's."""
+    for folder in bench_server.CODE_FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text(f"# {folder}\n")
+    first = bench_server.code_sha(tmp_path)
+    assert len(first) == 12 and bench_server.code_sha(tmp_path) == first
+    (tmp_path / "kernels" / "__pycache__").mkdir()
+    (tmp_path / "kernels" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    assert bench_server.code_sha(tmp_path) == first
+    (tmp_path / "model_repository" / "a.py").write_text("# changed\n")
+    changed = bench_server.code_sha(tmp_path)
+    (tmp_path / "manylora" / "b.py").write_text("")
+    assert len({first, changed, bench_server.code_sha(tmp_path)}) == 3
+    assert bench_server.main(["--print-code-sha"]) == 0
+    assert capsys.readouterr().out.strip() == bench_server.code_sha()
