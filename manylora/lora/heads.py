@@ -337,8 +337,8 @@ class HeadLoras:
         is, each query's place in the padded [A, Q] queries, the active rows and their slots and
         word counts. ``lists`` holds the index lists for the GPU, in this order: field rows,
         field positions, field slots, active rows, their slots, their word counts, then (when
-        the queries need a scatter) destinations and sources, then (``count_gate``) each padded
-        query's task as its index in the records (``n_records`` for padding)."""
+        the queries need a scatter) destinations and sources, then each padded query's task as
+        its index in the records (``n_records`` for padding; only the count gate reads it)."""
         from gliner2.layers import CountLSTM
 
         embed = self.model.count_embed
