@@ -118,6 +118,16 @@ def _seconds(key: str, raw: str) -> float:
     return value
 
 
+def _seconds_or_zero(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"parameter {key!r}: expected a number of seconds >= 0, got {raw!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise ConfigError(f"parameter {key!r}: expected a number of seconds >= 0, got {raw!r}")
+    return value
+
+
 def _path(key: str, raw: str) -> str:
     if not raw.strip():
         raise ConfigError(f"parameter {key!r}: empty path")
@@ -185,6 +195,10 @@ class EngineConfig:
     # interleaved on the same engine: 1,024 rows 215.4 -> 209.6 ms (1.03x), 96 rows 1.02x, the same rows
     fused_lora_epilogue: bool = True
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
+    # GPU stage (core_overlap on): its metrics are published at most this often, after the answers. Every
+    # call published them before its answers until session 19: ~35 messages to the Triton process, ~2 ms
+    # of each call under load on the H200 (manylora_core_phase_seconds_total{phase="publish"})
+    metrics_interval: float = 0.25
     # pipeline front: seconds one batch waits for the GPU stage's answer. Without it a GPU-stage
     # stub that dies holding batches leaves the fronts waiting forever (seen on the CPU: every
     # client of a killed gliner2_core stub waited out its own deadline; manylora.serving.CallDeadline).
@@ -312,6 +326,12 @@ class EngineConfig:
             False,
             "seconds a batch waits for one adapter's load from disk (default 10); past it the requests "
             "for that adapter get UNAVAILABLE, the load goes on, and later requests use it",
+        ),
+        "metrics_interval": (
+            _seconds_or_zero,
+            False,
+            "GPU stage (core_overlap on): seconds between two publishes of its metrics (default 0.25), "
+            "made after the answers of the calls they cover and when it goes idle; 0 publishes after every call",
         ),
         "cuda_graphs": (
             _on_off,

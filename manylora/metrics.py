@@ -2,7 +2,7 @@
 
 Published from the engine's own counters, so the engine stays free of pb_utils: after every
 execute() where execute() runs the batch, and by the overlapped GPU stage's GPU thread at most
-every ``CoreModelHandler.METRICS_INTERVAL_S`` (0.25 s), after the answers of the calls it covers
+every ``metrics_interval`` seconds (a parameter, 0.25 s), after the answers of the calls it covers
 (each metric update is a message to the Triton process: ~1.5-2 ms a publish, H200 session 18).
 Every metric carries ``model`` and ``instance`` labels (each Triton model instance keeps its
 own adapter cache). Families:

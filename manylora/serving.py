@@ -589,7 +589,7 @@ class CoreModelHandler(TritonModelHandler):
 
     overlap = False  # class default: tests build handlers without __init__
     MERGE_BUDGETS = 2  # queued batches merged into one engine call: up to this many token budgets
-    METRICS_INTERVAL_S = 0.25  # the overlapped GPU stage publishes its metrics at most this often
+    metrics_interval = 0.25  # seconds: the overlapped GPU stage publishes its metrics at most this often (config)
     _unpublished = False  # calls delivered since the metrics were last published
     _published_at = 0.0  # time.monotonic() of that publish
 
@@ -604,6 +604,7 @@ class CoreModelHandler(TritonModelHandler):
         self.core_model = ""
         self._load_engine(config, args, model_config, device)
         self.vocab = len(self.engine.processor.tokenizer)
+        self.metrics_interval = config.metrics_interval
         if config.core_overlap:
             self.start_overlap()
         freeze_long_lived()
@@ -786,15 +787,15 @@ class CoreModelHandler(TritonModelHandler):
 
     def _publish_when_due(self) -> Optional[float]:
         """Publish the metrics if calls were delivered since the last publish and the last one is
-        METRICS_INTERVAL_S old; returns the seconds until a publish is due (None: nothing to).
+        metrics_interval old; returns the seconds until a publish is due (None: nothing to).
 
         Until session 19 every call published in the GPU thread before its answers were queued:
         1.2-1.5 ms of a one-row call and ~2 ms of each call under load (H200,
         manylora_core_phase_seconds_total{phase="publish"}, 6f1e60a), each metric update being a
-        message to the Triton process. Now at most every METRICS_INTERVAL_S, after the answers."""
+        message to the Triton process. Now at most every metrics_interval, after the answers."""
         if not self._unpublished:
             return None
-        wait = self._published_at + self.METRICS_INTERVAL_S - time.monotonic()
+        wait = self._published_at + self.metrics_interval - time.monotonic()
         if wait > 0:
             return wait
         started = time.perf_counter()

@@ -120,3 +120,13 @@ def test_threads_per_instance_share_the_host():
     assert threads_per_instance({"instance_group": [{"count": 1}]}, 2) == 2
     assert threads_per_instance({}, 8) == 8
     assert threads_per_instance({"instance_group": [{"count": 64}]}, 16) == 1
+
+
+def test_metrics_interval_parameter(tiny_checkpoint):
+    """metrics_interval: seconds >= 0 (0: after every call), 0.25 by default; anything else refused."""
+    parse = lambda **p: EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), **p})  # noqa: E731
+    assert parse().metrics_interval == 0.25
+    assert parse(metrics_interval="0").metrics_interval == 0.0 and parse(metrics_interval="2").metrics_interval == 2.0
+    for bad in ("-1", "inf", "soon"):
+        with pytest.raises(ConfigError, match="metrics_interval"):
+            parse(metrics_interval=bad)

@@ -460,7 +460,7 @@ def test_gpu_thread_merges_waiting_jobs_up_to_its_token_budget(tiny_checkpoint):
 
 
 def test_gpu_thread_publishes_metrics_after_answers_and_at_most_every_interval(tiny_checkpoint):
-    """The overlapped GPU stage publishes its metrics at most every METRICS_INTERVAL_S (not in
+    """The overlapped GPU stage publishes its metrics at most every metrics_interval (not in
     every call), and once more while idle with calls unpublished (so a scrape after the last
     answer is at most one interval behind)."""
     import queue
@@ -474,7 +474,7 @@ def test_gpu_thread_publishes_metrics_after_answers_and_at_most_every_interval(t
     schema = json.dumps({"entities": ["person"]})
     prepared = [engine.pre.prepare(0, Request("Tim Cook runs Apple.", schema))]
     core._jobs, core._answers = queue.SimpleQueue(), queue.SimpleQueue()
-    core.METRICS_INTERVAL_S = 0.5
+    core.metrics_interval = 0.5
     published = []  # when each publish ran
 
     class Counting:
@@ -497,7 +497,7 @@ def test_gpu_thread_publishes_metrics_after_answers_and_at_most_every_interval(t
     thread.join(10)
     assert not thread.is_alive()
     assert len(published) == 2, published
-    assert published[1] - published[0] >= core.METRICS_INTERVAL_S
+    assert published[1] - published[0] >= core.metrics_interval
     assert published[0] >= started and "publish" in engine.phase_seconds
 
 

@@ -138,7 +138,7 @@ def send_together(url: str, batch: Sequence[list], model: str = protocol.MODEL_N
 
 def metrics_when(url: str, check: Callable[[str], None], timeout: float = 10.0) -> str:
     """The server's /metrics text once ``check(text)`` passes (it raises AssertionError until
-    then): the GPU stage publishes its metrics at most every METRICS_INTERVAL_S, after the
+    then): the GPU stage publishes its metrics at most every metrics_interval, after the
     answers, so a scrape right after the last answer may be a little behind."""
     import urllib.request
 

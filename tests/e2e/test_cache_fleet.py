@@ -100,7 +100,7 @@ def test_300_adapters_through_8_gpu_and_32_host_slots(fleet, peft_reference):
         batches = _metric(metrics, "manylora_batch_waves_count")
         assert waves and float(waves[0]) < batches, "some dynamic batches needed more than one wave"
 
-    metrics_when(server.metrics_url, check)  # published within METRICS_INTERVAL_S of the last call
+    metrics_when(server.metrics_url, check)  # published within metrics_interval of the last call
 
 
 def _adapter_bytes(folder) -> int:

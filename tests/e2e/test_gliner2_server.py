@@ -294,7 +294,7 @@ def test_adapter_cache_metrics_on_the_prometheus_endpoint(server, demo_adapters)
         assert value("manylora_core_queue_seconds_count") >= value("manylora_core_call_rows_count")
         assert value("manylora_cuda_graph_captures_total") == 0, "no CUDA graphs on the CPU"
 
-    metrics_when(server.metrics_url, check)  # published within METRICS_INTERVAL_S of the last call
+    metrics_when(server.metrics_url, check)  # published within metrics_interval of the last call
 
 
 def test_locustfile_drives_grpc_and_http_users(server, demo_adapters, tmp_path):
