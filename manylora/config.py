@@ -108,23 +108,15 @@ def _count(key: str, raw: str) -> int:
     return value
 
 
-def _seconds(key: str, raw: str) -> float:
+def _seconds(key: str, raw: str, zero: bool = False) -> float:
+    """A finite number of seconds above 0 (or at least 0, with ``zero``)."""
+    what = f"a number of seconds {'>=' if zero else '>'} 0"
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"parameter {key!r}: expected a number of seconds > 0, got {raw!r}") from None
-    if not 0.0 < value < float("inf"):
-        raise ConfigError(f"parameter {key!r}: expected a number of seconds > 0, got {raw!r}")
-    return value
-
-
-def _seconds_or_zero(key: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"parameter {key!r}: expected a number of seconds >= 0, got {raw!r}") from None
-    if not 0.0 <= value < float("inf"):
-        raise ConfigError(f"parameter {key!r}: expected a number of seconds >= 0, got {raw!r}")
+        raise ConfigError(f"parameter {key!r}: expected {what}, got {raw!r}") from None
+    if not (0.0 <= value if zero else 0.0 < value) or value == float("inf"):
+        raise ConfigError(f"parameter {key!r}: expected {what}, got {raw!r}")
     return value
 
 
@@ -328,7 +320,7 @@ class EngineConfig:
             "for that adapter get UNAVAILABLE, the load goes on, and later requests use it",
         ),
         "metrics_interval": (
-            _seconds_or_zero,
+            lambda key, raw: _seconds(key, raw, zero=True),
             False,
             "GPU stage (core_overlap on): seconds between two publishes of its metrics (default 0.25), "
             "made after the answers of the calls they cover and when it goes idle; 0 publishes after every call",

@@ -194,6 +194,7 @@ class Engine:
         # heads) and C (the hits' nonzero, the copy, the compact rows: finish), each also as
         # "<phase>_cpu", the thread's CPU (wall well above it: waits for the interpreter lock or a
         # blocking call; CUDA's spin-waits count as CPU). serving.CoreModelHandler adds its threads'
+        # phases (parse, idle, publish, answer_pack, answer_send, gpu_thread_cpu, answer_thread_cpu)
         self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         self.store = AdapterStore(
             config.adapter_dir,

@@ -21,8 +21,9 @@ own adapter cache). Families:
     manylora_cuda_graph_capture_seconds_total      counter: seconds those captures took in the GPU thread
     manylora_core_phase_seconds_total{phase}       counter: seconds of the GPU stage's steps and threads
 
-The last three are the overlapped GPU stage's (``core_overlap: on``): where a request's time
-goes between Triton's queue and its answer. With ``chunk_pipeline`` a call's answers are
+The core_call and core_queue families (and the thread phases of core_phase) are the
+overlapped GPU stage's (``core_overlap: on``): where a request's time goes between Triton's
+queue and its answer. With ``chunk_pipeline`` a call's answers are
 delivered once the next call's first forward is queued (or at once when nothing waits), so a
 call's seconds include that step of the next call.
 

@@ -932,9 +932,8 @@ def _once(fn: Optional[Callable[[], None]]) -> Callable[[], None]:
 
 
 def _job_tokens(items: list) -> int:
-    """Tokens of a job's rows: its parsed items (``job[1]``). Until session 18 the GPU thread passed
-    the whole job (groups, items) here, which counted ~7 tokens a job, so every waiting job was
-    merged whatever the budget (a call of 1,351 rows was seen under overload)."""
+    """Tokens of a job's rows, from its parsed items (``job[1]``, not the whole job: that counted
+    ~7 tokens a job, and every waiting job was merged whatever the budget, session 18)."""
     return sum(len(item[0]) for item in items if not isinstance(item, RequestError))
 
 

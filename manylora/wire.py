@@ -15,8 +15,9 @@ budget. Per request, every tensor is [1, -1]:
     T_MIN      FP32   each row's lowest decoding threshold, clamped into [0, 1] (post.core_threshold)
 
 ``gliner2_core`` -> front, per request: ``STATUS`` BYTES [1, rows] (empty, or
-"CODE<TAB>message" for a row's own error) and ``COMPACT`` BYTES [1, 1]: ``pack_rows`` of the
-rows' ``CompactRow.to_arrays()`` (None for a failed row).
+"CODE<TAB>message" for a row's own error) and ``COMPACT`` BYTES [1, 1]: ``post.pack_compact_rows``
+of the rows (one ``pack_arrays`` buffer: per field of ``CompactRow.to_arrays()``, the rows' arrays
+flattened and concatenated, with each row's shape beside them; ``_present`` marks failed rows).
 """
 
 from __future__ import annotations
@@ -74,24 +75,9 @@ def unpack_arrays(data: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def pack_rows(rows: list[Optional[dict[str, np.ndarray]]]) -> bytes:
-    """Many rows' arrays (each a dict of the same names, or None for a failed row) in one
-    ``pack_arrays`` buffer: per name the rows' arrays flattened and concatenated, with each
-    row's shape beside them (one buffer per front request instead of one per row: measured,
-    per-row packing and tensors were a large share of the GPU stage's host time per row)."""
-    present = [r for r in rows if r is not None]
-    names = list(present[0]) if present else []
-    packed: dict[str, np.ndarray] = {"_present": np.array([r is not None for r in rows], dtype=np.bool_)}
-    for name in names:
-        arrays = [np.ascontiguousarray(r[name]) for r in present]
-        ndim = max(a.ndim for a in arrays)
-        packed[f"{name}.shape"] = np.array([list(a.shape) + [1] * (ndim - a.ndim) for a in arrays], dtype=np.int64)
-        packed[name] = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.float32)
-    return pack_arrays(packed)
-
-
 def unpack_rows(data: bytes) -> list[Optional[dict[str, np.ndarray]]]:
-    """The rows ``pack_rows`` packed, in order (None for a failed row); ValueError if malformed."""
+    """The rows ``post.pack_compact_rows`` packed, as ``to_arrays()`` dicts in order (None for a
+    failed row); ValueError if malformed."""
     packed = unpack_arrays(data)
     present = packed.get("_present")
     if present is None:

@@ -954,7 +954,7 @@ def estimate_s(args, n_modes: int, n_light: int) -> float:
     point = args.max_trials * args.interval_ms / 1e3 + PHASE_OVERHEAD_S
     warm = args.max_trials * args.warmup_ms / 1e3 + PHASE_OVERHEAD_S
     opens = len(args.open_fractions) + len(args.rates)
-    per_mode = warm * (1 + opens * bool(getattr(args, "warmup_open", False))) + point * (len(args.concurrency) + opens)
+    per_mode = warm * (1 + opens * args.warmup_open) + point * (len(args.concurrency) + opens)
     return n_modes * per_mode + n_light * point
 
 
