@@ -170,6 +170,10 @@ class StaticLoraBatch(LoraBatch):
         )
         self._slots.copy_(values.pin_memory(), non_blocking=True)
 
+    def _zero_base_groups(self, factors: torch.Tensor) -> None:
+        """Every row is its own group here, and which have an adapter is known on the GPU only."""
+        factors.masked_fill_(self.group_has_adapter[None, :, None, None] == 0, 0)
+
     def forget_scratch(self) -> None:
         """Drop the warm-up's temporaries, so that the capture allocates its own in the graph pool."""
         self._scratch = {}

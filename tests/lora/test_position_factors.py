@@ -65,3 +65,22 @@ def test_tf32_gemm_of_16_bit_values_is_the_float32_gemm(dtype):
         tf32_error = ((x @ y).double() - exact).abs().max().item()
     ieee_error = ((x @ y).double() - exact).abs().max().item()
     assert tf32_error > 10 * ieee_error, "inside the context the float32 GEMM ran on TF32"
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_window_product_is_the_exact_product_in_float32(device, dtype):
+    """The position factors' GEMM (a 16-bit GEMM with a float32 output on CUDA, the float32 GEMM
+    of float32 copies elsewhere) gives float32 results that differ from float64's only by float32
+    summation, for 16-bit and float32 operands."""
+    from manylora.lora.batch import _window_product
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(300 * 16, 768, generator=gen).to(device, dtype)
+    window = torch.randn(304, 768, generator=gen).to(device, dtype)
+    got = _window_product(a, window)
+    assert got.dtype == torch.float32 and got.shape == (300 * 16, 304)
+    want = a.double() @ window.double().t()
+    assert (got.double() - want).abs().max().item() < 1e-3
