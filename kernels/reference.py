@@ -66,13 +66,15 @@ def sgmv_expand_ref(
     bias: torch.Tensor | None = None,  # [H_out]; only with accumulate=False
     residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
+    layer_norm: tuple | None = None,  # (weight, bias, eps): then torch's layer_norm of the row
 ) -> torch.Tensor:
     """Semantics (same as sgmv_expand):
         for each token t with slot s = slot(t) >= 0, r = rank(s):
             y[t, y_offset : y_offset + H_out] += scales[s] * v[t, :r] @ lora_b[s, :, :r]ᵀ
         or, with accumulate=False, = bias (0 if None) + the same update;
         then, rounded to y's dtype, + residual[t] and / or the exact GELU, each rounded (torch's
-        own add and gelu on the stored row); rows of slot -1 are left untouched.
+        own add and gelu on the stored row), then torch's layer_norm of the row with ``layer_norm``;
+        rows of slot -1 are left untouched.
     Updates y in place and returns it.
     """
     h_out, r_max = lora_b.shape[1], lora_b.shape[2]
@@ -96,6 +98,8 @@ def sgmv_expand_ref(
             out = out + residual[start:end]
         if gelu:
             out = torch.nn.functional.gelu(out)
+        if layer_norm is not None:
+            out = torch.nn.functional.layer_norm(out, (h_out,), *layer_norm)
         y_rows.copy_(out)
     return y
 

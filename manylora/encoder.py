@@ -85,13 +85,17 @@ class AdapterLinear(nn.Module):
         lora: Optional["LoraBatch"] = None,
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
+        norm: Optional[tuple] = None,
     ) -> torch.Tensor:
-        """``x Wᵀ + b`` with each token's LoRA update, then ``+ residual`` and / or the exact GELU
-        (DeBERTa's next elementwise pass): inside the LoRA expand where the batch allows it
-        (``LoraBatch.fuses_epilogue``), else as torch's own add and gelu."""
-        if lora is not None and (residual is not None or gelu) and x.dim() == 2 and lora.fuses_epilogue(self.name):
+        """``x Wᵀ + b`` with each token's LoRA update, then ``+ residual``, the exact GELU and / or
+        the layer norm ``norm`` (weight, bias, eps) (DeBERTa's next elementwise passes): inside the
+        LoRA expand where the batch allows it (``LoraBatch.fuses_epilogue``), else as torch's own
+        add, gelu and layer_norm."""
+        fused = residual is not None or gelu or norm is not None
+        if lora is not None and fused and x.dim() == 2 and lora.fuses_epilogue(self.name):
             y = F.linear(x, self.weight, self.bias)
-            lora.apply(self.name, x, y, residual=residual, gelu=gelu)  # y = gelu(y + update [+ residual])
+            # y = norm(gelu(y + update [+ residual]))
+            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=norm)
             return y
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
@@ -103,7 +107,9 @@ class AdapterLinear(nn.Module):
                 lora.apply(self.name, x, y)
         if residual is not None:
             y = y + residual
-        return F.gelu(y) if gelu else y
+        if gelu:
+            y = F.gelu(y)
+        return y if norm is None else F.layer_norm(y, (y.shape[-1],), *norm)
 
     @classmethod
     def from_linear(cls, name: str, linear: nn.Linear) -> "AdapterLinear":
@@ -293,12 +299,13 @@ class EncoderLayer(nn.Module):
         else:
             ctx = _eager_attention(q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, inv_scale, heads, backend)
 
-        attn = F.layer_norm(self.attn_out(ctx, lora, residual=flat), (hidden,), *self.attn_norm, g.layer_norm_eps)
-        if self.exact_gelu:  # the activation may ride in ffn_in's LoRA expand
+        # the residual adds and layer norms, and the activation, may ride in the LoRA expands
+        attn = self.attn_out(ctx, lora, residual=flat, norm=(*self.attn_norm, g.layer_norm_eps))
+        if self.exact_gelu:
             inter = self.ffn_in(attn, lora, gelu=True)
         else:
             inter = self.act(self.ffn_in(attn, lora))
-        out = F.layer_norm(self.ffn_out(inter, lora, residual=attn), (hidden,), *self.ffn_norm, g.layer_norm_eps)
+        out = self.ffn_out(inter, lora, residual=attn, norm=(*self.ffn_norm, g.layer_norm_eps))
         return out.view(batch, length, hidden)
 
 

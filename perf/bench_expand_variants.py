@@ -165,6 +165,108 @@ VARIANTS = [
     for n in (64, 128)
     for p in (128, 768)
 ]
+# the product kernel's own column walk (kernels/sgmv_expand.py, N_PER_PROG), per token count
+PRODUCT_CONFIGS = [
+    {"BLOCK_M": m, "BLOCK_N": 128, "N_PER_PROG": p, "num_warps": w, "num_stages": s}
+    for m in (32, 64)
+    for p in (128, 256, 768)
+    for w in (4, 8)
+    for s in (2, 3)
+]
+LAYER_NORM_CONFIGS = [{"BLOCK_M": m, "num_warps": w, "num_stages": 2} for m in (8, 16, 32) for w in (4, 8)]
+
+
+def make_case(case: str, tokens: int, row_len: int, slots: int, rank: int, gen):
+    """Tensors of one serving case: every row of ``row_len`` tokens its own adapter."""
+    from manylora.kernels import SgmvMetaBuilder
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    width = 3072 if case == "gelu" else 768
+    rows = tokens // row_len
+    chosen = sorted(torch.randperm(slots, generator=torch.Generator().manual_seed(1))[: min(rows, slots)].tolist())
+    slot_per_row = [chosen[i * len(chosen) // rows] for i in range(rows)]
+    meta = SgmvMetaBuilder(rows * row_len, dev).build(
+        slot_per_row=torch.tensor(slot_per_row, dtype=torch.int32), row_len=row_len, max_rank=rank
+    )
+    t = rows * row_len
+    v = torch.randn(t, rank, device=dev, generator=gen)
+    scales = torch.rand(slots, device=dev, generator=gen) + 0.5
+    lora_b = (torch.randn(slots, width, rank, device=dev, generator=gen) * 0.1).to(dt)
+    y0 = torch.randn(t, width, device=dev, generator=gen).to(dt)
+    kw = {}
+    if case == "gelu":
+        kw = {"gelu": True}
+    elif case in ("residual", "layernorm"):
+        kw = {"residual": torch.randn(t, width, device=dev, generator=gen).to(dt)}
+    elif case == "write":
+        kw = {"accumulate": False, "bias": torch.randn(width, device=dev, generator=gen).to(dt)}
+    if case == "layernorm":
+        kw["layer_norm"] = (
+            (1 + 0.1 * torch.randn(width, device=dev, generator=gen)).to(dt),
+            (0.1 * torch.randn(width, device=dev, generator=gen)).to(dt),
+            1e-7,
+        )
+    return v, lora_b, scales, meta, y0, kw
+
+
+def sizes_main(args) -> int:
+    """--sizes: the product kernel's table config against its column-walk configs at several token
+    counts, and the layer-norm epilogue against the residual expand followed by torch's layer_norm."""
+    from manylora.kernels.sgmv_expand import sgmv_expand
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    results, lines = [], []
+    for case in ("gelu", "residual", "write", "layernorm"):
+        for tokens in args.sizes:
+            v, lora_b, scales, meta, y0, kw = make_case(case, tokens, args.row_len, args.slots, args.rank, gen)
+            y = y0.clone()
+            want = sgmv_expand(v, lora_b, scales, meta, y0.clone(), **kw)
+            row = {"case": case, "tokens": int(y.shape[0])}
+            if case == "layernorm":
+                norm = kw["layer_norm"]
+                plain = {k: x for k, x in kw.items() if k != "layer_norm"}
+
+                def split():
+                    sgmv_expand(v, lora_b, scales, meta, y, **plain)
+                    torch.nn.functional.layer_norm(y, (y.shape[1],), *norm)
+
+                row["table_us"] = device_us(split, args.reps, flush)  # what runs without the epilogue
+                configs = LAYER_NORM_CONFIGS
+            else:
+                row["table_us"] = device_us(lambda: sgmv_expand(v, lora_b, scales, meta, y, **kw), args.reps, flush)
+                configs = PRODUCT_CONFIGS
+            tried = []
+            for cfg in configs:
+                if case == "layernorm":
+                    cfg = dict(cfg, BLOCK_N=1024)
+                try:
+                    got = sgmv_expand(v, lora_b, scales, meta, y0.clone(), config=cfg, **kw)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # out of resources: not a candidate
+                    tried.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                    continue
+                diff = (got.float() - want.float()).abs() / (want.float().abs().clamp_min(1.0) * 2**-7)
+                entry = {**cfg, "worst_ulps": float(diff.max())}
+                if entry["worst_ulps"] <= 1.0:
+                    fn = lambda: sgmv_expand(v, lora_b, scales, meta, y, config=cfg, **kw)  # noqa: E731
+                    entry["us"] = device_us(fn, args.reps, flush)
+                tried.append(entry)
+            ok = [t for t in tried if "us" in t]
+            best = min(ok, key=lambda t: t["us"]) if ok else None
+            row.update(configs=tried, best=best)
+            results.append(row)
+            keys = ("BLOCK_M", "BLOCK_N", "N_PER_PROG", "num_warps", "num_stages")
+            desc = "-" if best is None else f"{best['us']:7.1f} {[best.get(k) for k in keys]}"
+            base = "split" if case == "layernorm" else "table"
+            lines.append(
+                f"{case:10} {row['tokens']:6} {base} {row['table_us']:7.1f}  best {desc}  ({len(ok)}/{len(tried)} ok)"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"rows of {args.row_len} tokens, each its own adapter of {args.slots} slots, rank {args.rank}; device µs")
+    print("\n".join(lines))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -178,8 +280,11 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("perf/results/expand-variants.json"))
+    p.add_argument("--sizes", type=int, nargs="*", help="token counts: the product kernel's configs instead")
     args = p.parse_args(argv)
     assert torch.cuda.is_available(), "a GPU measurement"
+    if args.sizes:
+        return sizes_main(args)
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = args.tokens // args.row_len

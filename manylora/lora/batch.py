@@ -107,11 +107,12 @@ class LoraBatch:
         bias: Optional[torch.Tensor] = None,
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
+        layer_norm: Optional[tuple] = None,
     ) -> None:
         """y += each token's scale * (x A^T) B^T for its row's adapter (in place); with
-        ``accumulate=False``, y = bias + that update (y is not read). ``residual`` / ``gelu``:
-        then + residual and / or the exact GELU, rounded as torch's own passes (only where
-        ``fuses_epilogue``)."""
+        ``accumulate=False``, y = bias + that update (y is not read). ``residual`` / ``gelu`` /
+        ``layer_norm`` (weight, bias, eps): then + residual, the exact GELU and / or the layer
+        norm, rounded as torch's own passes (only where ``fuses_epilogue``)."""
         if name not in self.targets:
             return
         store = self.store
@@ -130,6 +131,7 @@ class LoraBatch:
             bias=bias,
             residual=residual,
             gelu=gelu,
+            layer_norm=layer_norm,
         )
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,

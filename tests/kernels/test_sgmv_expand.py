@@ -236,3 +236,59 @@ def test_epilogue_only_when_accumulating(device, backend):
     v, y = torch.zeros(8, 16, device=device), torch.zeros(8, 32, device=device)
     with pytest.raises(AssertionError, match="epilogue"):
         expand(v, lora_b, scales, meta, y, backend=backend, accumulate=False, gelu=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("h_out", [200, 768])
+def test_layer_norm_epilogue_equals_the_separate_passes(device, dtype, h_out):
+    """The update, the residual add and DeBERTa's layer norm in one expand (one block spans the
+    row) give what the update followed by torch's own add and layer_norm give, against the float32
+    definition; rows of slot -1 stay as they were."""
+    gen = torch.Generator().manual_seed(17)
+    slots = make_slot_per_token("skewed", 120, NUM_SLOTS, True, gen)
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, h_out, dtype, device, gen)
+    v = torch.randn(len(slots), 16, generator=gen).to(device)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    residual = torch.randn(len(slots), h_out, generator=gen).to(device, dtype)
+    norm = (
+        (1 + 0.1 * torch.randn(h_out, generator=gen)).to(device, dtype),
+        (0.1 * torch.randn(h_out, generator=gen)).to(device, dtype),
+        1e-7,
+    )
+    y_before = (3 * torch.randn(len(slots), h_out, generator=gen) + 1).to(device, dtype)
+    got, want = y_before.clone(), y_before.clone()
+    sgmv_expand(v, lora_b, scales, meta, got, residual=residual, layer_norm=norm)
+    sgmv_expand_ref(v, lora_b, scales, meta, want, residual=residual, layer_norm=norm)
+    assert_close(got, want, dtype)
+    adapted = torch.tensor(slots, device=device) >= 0
+    slot_index = torch.tensor(slots, device=device).clamp(min=0)
+    update = torch.einsum("tr,tor->to", v.float(), lora_b[slot_index].float()) * scales[slot_index, None]
+    stored = ((y_before.float() + update).to(dtype) + residual).float()
+    defined = torch.nn.functional.layer_norm(stored, (h_out,), norm[0].float(), norm[1].float(), norm[2])
+    assert_close(got[adapted], defined[adapted].to(dtype), dtype)
+    assert torch.equal(got[~adapted], y_before[~adapted]), "rows of slot -1 must stay untouched"
+    assert got[adapted].float().mean(dim=1).abs().max() < 0.5, "normalised rows"
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "write", "residual", "gelu"])
+def test_programs_walking_several_column_blocks(device, mode):
+    """N_PER_PROG > BLOCK_N (a program walks its columns in blocks, the v tile loaded once) gives
+    the reference's answer, also where the last program's blocks pass the row's end."""
+    gen = torch.Generator().manual_seed(19)
+    h_out, dtype = 200, torch.bfloat16
+    slots = make_slot_per_token("skewed", 150, NUM_SLOTS, True, gen)
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, h_out, dtype, device, gen)
+    v = torch.randn(len(slots), 16, generator=gen).to(device)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    kw = {
+        "accumulate": {},
+        "write": {"accumulate": False, "bias": torch.randn(h_out, generator=gen).to(device, dtype)},
+        "residual": {"residual": torch.randn(len(slots), h_out, generator=gen).to(device, dtype)},
+        "gelu": {"gelu": True},
+    }[mode]
+    y_before = torch.randn(len(slots), h_out, generator=gen).to(device, dtype)
+    want = sgmv_expand_ref(v, lora_b, scales, meta, y_before.clone(), **kw)
+    for config in ({"N_PER_PROG": 128}, {"N_PER_PROG": 256}):
+        config.update(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+        got = sgmv_expand(v, lora_b, scales, meta, y_before.clone(), config=config, **kw)
+        assert_close(got, want, dtype)
