@@ -33,10 +33,13 @@ from .reference import (
 )
 
 BACKENDS = ("triton", "torch")
+# widest row expand's layer_norm epilogue takes (sgmv_expand.LAYER_NORM_MAX_WIDTH, without importing Triton)
+LAYER_NORM_MAX_WIDTH = 1024
 
 __all__ = [
     "BACKENDS",
     "BLOCK_M_CHOICES",
+    "LAYER_NORM_MAX_WIDTH",
     "TOLERANCES",
     "SgmvMeta",
     "SgmvMetaBuilder",

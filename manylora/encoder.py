@@ -94,9 +94,10 @@ class AdapterLinear(nn.Module):
         fused = residual is not None or gelu or norm is not None
         if lora is not None and fused and x.dim() == 2 and lora.fuses_epilogue(self.name):
             y = F.linear(x, self.weight, self.bias)
-            # y = norm(gelu(y + update [+ residual]))
-            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=norm)
-            return y
+            # y = norm(gelu(y + update [+ residual])); the norm's block spans the row, so up to a width
+            wide = norm is not None and self.out_features > kernels.LAYER_NORM_MAX_WIDTH
+            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=None if wide else norm)
+            return F.layer_norm(y, (y.shape[-1],), *norm) if wide else y
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
             lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
