@@ -44,6 +44,7 @@ class HeadLoraLinear(nn.Module):
         # this call's slots, set by HeadLoras._set in place (no nn.Module attribute set per call):
         # None, ("single", slot) for one slot for the whole call, or ("rows", index, selected) per
         # leading row of the input: index [N] its slot clamped at 0, selected [N, 1, 1] slot >= 0
+        # (None when every row has an adapter)
         self.call: list = [None]
 
     @property
@@ -61,21 +62,27 @@ class HeadLoraLinear(nn.Module):
         if store is None or call is None:
             return y
         a_all, b_all, scales = store.a[self.name], store.b[self.name], store.scales[self.name]
+        out = y.shape[-1]
         if call[0] == "single":
             slot = call[1]
-            delta = nn.functional.linear(nn.functional.linear(x, a_all[slot]), b_all[slot])
-            return y + delta * scales[slot].to(y.dtype)
-        _, index, selected = call  # base rows (-1) gather slot 0 ...
-        scale = scales.index_select(0, index)  # [N]
+            v = nn.functional.linear(x, a_all[slot]) * scales[slot].to(x.dtype)
+            y.view(-1, out).addmm_(v.view(-1, v.shape[-1]), b_all[slot].t())  # + v Bᵀ in the GEMM's epilogue
+            return y
+        _, index, selected = call
         n = x.shape[0]
-        flat = x.reshape(n, -1, x.shape[-1])  # [N, M, in]
-        v = torch.bmm(flat, a_all.index_select(0, index).transpose(1, 2))  # [N, M, R]
-        delta = torch.bmm(v, b_all.index_select(0, index).transpose(1, 2))  # [N, M, out]
-        delta = delta * scale.view(n, 1, 1).to(delta.dtype)
-        # ... and their update is selected away, never multiplied by zero: a non-finite slot 0
-        # would make NaN x 0 = NaN for them
-        delta = torch.where(selected, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
-        return y + delta.reshape(y.shape)
+        v = torch.bmm(x.reshape(n, -1, x.shape[-1]), a_all.index_select(0, index).transpose(1, 2))  # [N, M, R]
+        v = v * scales.index_select(0, index).view(n, 1, 1).to(v.dtype)
+        b = b_all.index_select(0, index)  # [N, out, R]
+        if selected is not None:
+            # rows without an adapter gathered slot 0: their factors are selected away, never
+            # multiplied by zero (a non-finite slot 0 would make NaN x 0 = NaN for them)
+            zero = torch.zeros((), dtype=v.dtype, device=v.device)
+            v, b = torch.where(selected, v, zero), torch.where(selected, b, zero)
+        # y += v Bᵀ per row inside the batched GEMM (it reads y in its epilogue): the update's own
+        # [N, M, out] tensor and its scale, select and add passes over it were ~1.9 ms of GPU time
+        # in a 150-row LoRA chunk (H200 kernel table, perf/profile_core.py, session 20)
+        y.view(n, -1, out).baddbmm_(v, b.transpose(1, 2))
+        return y
 
 
 class HeadLoras:
@@ -150,7 +157,9 @@ class HeadLoras:
             slots = rows_on_device
             if slots is None:
                 slots = device_tensor(list(rows), next(iter(self.linears.values())).base.weight.device)
-            call = ("rows", slots.clamp(min=0), (slots >= 0).view(-1, 1, 1))
+            # the mask only where a row has no adapter (None: every row is selected)
+            mask = None if all(s >= 0 for s in rows) else (slots >= 0).view(-1, 1, 1)
+            call = ("rows", slots.clamp(min=0), mask)
         elif chosen:
             call = ("single", single)
         for module in chosen:
