@@ -201,9 +201,9 @@ def _window_product(a: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
     """``a · windowᵀ`` in float32 ([N, H] x [W, H] -> [N, W]). 16-bit CUDA operands run one GEMM
     with a float32 output: products of 16-bit values are exact in float32, as in the TF32 GEMM of
     their float32 copies it replaces (identical up to summation order), without writing those
-    copies: in the 1,024-adapter forward the copy and the two element-wise passes after the GEMM
-    were ~8 ms of GPU time per 1,024 rows (session 16's kernel table,
-    perf/h200-2026-12-03/session16/d84887c-kernels-rows1024-adapters1024.txt)."""
+    copies. With the scale and the rounding in one pass after it, the position factors' kernels of
+    a 150-row call with 1,024 adapters went from ~0.4 to ~0.2 ms on the H200
+    (perf/profile_core.py, session 20, kernels/PERF_NOTES.md)."""
     if a.is_cuda and a.dtype == window.dtype and a.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(a, window.t(), out_dtype=torch.float32)
     with _exact_tf32(a.dtype, window.dtype):

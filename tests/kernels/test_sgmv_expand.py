@@ -296,7 +296,8 @@ def test_programs_walking_several_column_blocks(device, mode):
 
 def test_layer_norm_width_bound_is_shared():
     """The package's bound (read without importing Triton) is the kernel's."""
-    from manylora import kernels
     from manylora.kernels import sgmv_expand as module
+
+    from manylora import kernels
 
     assert kernels.LAYER_NORM_MAX_WIDTH == module.LAYER_NORM_MAX_WIDTH
