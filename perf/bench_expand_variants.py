@@ -21,25 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-
-def device_us(fn, reps: int, flush: torch.Tensor) -> float:
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lora_calls import device_us  # noqa: E402  (CUDA events, L2 flushed before each run)
 
 # the product kernel's own column walk (kernels/sgmv_expand.py, N_PER_PROG), per token count
 PRODUCT_CONFIGS = [
