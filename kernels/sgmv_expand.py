@@ -2,10 +2,12 @@
 
 Computes y[t] += scale(slot(t)) * v[t] @ B[slot(t)]ᵀ in place, for a batch whose tokens
 are grouped by adapter (punica's SGMV, Chen et al. 2023). The grid is (tiles, H_out /
-BLOCK_N): each program takes BLOCK_M tokens of one segment (meta.py) and BLOCK_N output
-columns, does one tensor-core dot over the rank (K = BLOCK_R), and read-modify-writes
-its y tile once. y traffic (read + write) dominates, so the kernel is bandwidth-bound;
-the B slice comes from L2 after an adapter's first tile.
+N_PER_PROG): each program takes BLOCK_M tokens of one segment (meta.py) and N_PER_PROG output
+columns, which it walks in blocks of BLOCK_N (N_PER_PROG = BLOCK_N: one block; the launch
+config's ``N_PER_PROG``, default BLOCK_N). Per block it reads y (and the residual) first, does
+one tensor-core dot over the rank (K = BLOCK_R) and stores the block once; the tile's metadata
+and v are loaded once per program. y traffic (read + write) dominates, so the kernel is
+bandwidth-bound; the B slice comes from L2 after an adapter's first tile.
 
 v may be fp32 (recommended: the shrink result is not rounded twice) or the weights'
 dtype; it is cast to B's dtype for the dot, whose accumulator is fp32. The update is
@@ -17,10 +19,13 @@ or a strided view; each row of the slice must be contiguous.
 Epilogues (accumulate mode only): the layer's next elementwise pass, done on the tile while it
 is in registers instead of as another read and write of y. ``residual`` adds a tensor after the
 update (DeBERTa's ``dense(x) + input`` before its LayerNorm), ``gelu`` applies the exact (erf)
-GELU (DeBERTa's intermediate activation). Each step rounds to y's dtype as the separate torch
-passes do: ``round(round(y + update) + residual)``, ``round(gelu(round(y + update)))``. They
-are exact only where every row of y has an adapter (rows of slot -1 get no tile, so no
-epilogue): the caller checks that (``LoraBatch.fuses_epilogue``).
+GELU (DeBERTa's intermediate activation), ``layer_norm`` normalises the row after that (DeBERTa's
+LayerNorm after the residual; one block then spans the row, up to LAYER_NORM_MAX_WIDTH columns).
+Each step rounds to y's dtype as the separate torch passes do: ``round(round(y + update) +
+residual)``, ``round(gelu(round(y + update)))``, ``round(layer_norm(that row))`` (in fp32 with the
+biased variance, as torch; its sums run in another order, so one bf16 step may differ). They are
+exact only where every row of y has an adapter (rows of slot -1 get no tile, so no epilogue):
+the caller checks that (``LoraBatch.fuses_epilogue``).
 
 Mixed ranks: with `ranks` given, rank columns r >= rank(slot) of v and B are masked out
 of the loads (no bandwidth spent on padding). BLOCK_R is max(16, pow2 >= max rank)
