@@ -182,8 +182,8 @@ def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adap
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fused_epilogue_equals_the_separate_passes(tiny_checkpoint, demo_adapters, monkeypatch, backend):
-    """Every row with an adapter: DeBERTa's residual adds and GELU run inside the LoRA expand
-    (fused_lora_epilogue, LoraBatch.fuses_epilogue). Same encoder states and answers as the
+    """Every row with an adapter: DeBERTa's residual adds, layer norms and GELU run inside the LoRA
+    expand (fused_lora_epilogue, LoraBatch.fuses_epilogue). Same encoder states and answers as the
     separate passes, and the epilogues really ran; with one base row they do not."""
     if backend == "triton":
         pytest.importorskip("triton")
@@ -206,7 +206,10 @@ def test_fused_epilogue_equals_the_separate_passes(tiny_checkpoint, demo_adapter
     monkeypatch.setattr(
         kernels,
         "lora_apply",
-        lambda *a, **k: epilogues.append((k.get("residual") is not None, k.get("gelu", False))) or apply(*a, **k),
+        lambda *a, **k: (
+            epilogues.append((k.get("residual") is not None, k.get("gelu", False), k.get("layer_norm") is not None))
+            or apply(*a, **k)
+        ),
     )
 
     def run(fused: bool, batch):
@@ -220,15 +223,17 @@ def test_fused_epilogue_equals_the_separate_passes(tiny_checkpoint, demo_adapter
     fused, fused_answers, fused_calls = run(True, requests)
     separate, separate_answers, separate_calls = run(False, requests)
     layers = len(engine.encoder.layers)
-    assert fused_calls.count((True, False)) >= 2 * layers, "attention output and FFN output carry the residual"
-    assert fused_calls.count((False, True)) >= layers, "the intermediate dense carries the GELU"
-    assert separate_calls and not any(r or g for r, g in separate_calls)
+    assert fused_calls.count((True, False, True)) >= 2 * layers, (
+        "attention output and FFN output carry the residual and the layer norm"
+    )
+    assert fused_calls.count((False, True, False)) >= layers, "the intermediate dense carries the GELU"
+    assert separate_calls and not any(any(call) for call in separate_calls)
     torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-5)
     diffs = [result_differences(a, b, atol=1e-4) for a, b in zip(fused_answers, separate_answers)]
     assert diffs == [[]] * len(requests)
     with_base = requests[:-1] + [Request(texts[-1], schema, adapter="", include_confidence=True)]
     with_base_calls = run(True, with_base)[2]
-    assert with_base_calls and not any(r or g for r, g in with_base_calls), "a base row: the passes run apart"
+    assert with_base_calls and not any(any(call) for call in with_base_calls), "a base row: the passes run apart"
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
