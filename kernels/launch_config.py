@@ -4,6 +4,9 @@ A table maps each op to entries keyed "t{T}_h{H}_r{R}":
   T  token bucket: the smallest of TOKEN_BUCKETS >= the batch's tokens (the last one above)
   H  the op's hidden size (H_in for shrink, H_out for expand), exact, or "*"
   R  the rank tile BLOCK_R = max(16, next power of two >= max rank), or "*"
+sgmv_expand entries may add N_PER_PROG: the columns one program walks in BLOCK_N blocks (a
+multiple of BLOCK_N; default BLOCK_N, one block). perf/bench_kernels.py --sweep does not vary it,
+so a re-sweep merged into a table drops it: perf/bench_expand_variants.py --sizes measures it.
 Lookup tries (T, H, R), (T, H, *), (T, *, R), (T, *, *); every table has a (T, *, *)
 entry for every token bucket (a test checks it), so a lookup never fails and dynamic
 batch sizes never trigger tuning. Tables are chosen by torch.cuda.get_device_name()
