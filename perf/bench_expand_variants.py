@@ -40,19 +40,34 @@ PRODUCT_CONFIGS = [
 LAYER_NORM_CONFIGS = [{"BLOCK_M": m, "num_warps": w, "num_stages": 2} for m in (16, 32) for w in (2, 4, 8)]
 
 
-def make_case(case: str, tokens: int, row_len: int, slots: int, rank: int, gen):
-    """Tensors of one serving case: every row of ``row_len`` tokens its own adapter."""
+def size_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """The token counts and batch shape both kernel benches take (this one, bench_fused_shrink.py)."""
+    p.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 61440], help="token counts")
+    p.add_argument("--row-len", type=int, default=120)
+    p.add_argument("--slots", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path(out))
+
+
+def row_meta(tokens: int, row_len: int, slots: int, rank: int, device):
+    """SGMV metadata of rows of ``row_len`` tokens, about ``tokens`` in all, each row its own
+    adapter of ``slots`` while there are fewer rows than slots."""
     from manylora.kernels import SgmvMetaBuilder
 
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    width = 3072 if case == "gelu" else 768
-    rows = tokens // row_len
+    rows = max(1, tokens // row_len)
     chosen = sorted(torch.randperm(slots, generator=torch.Generator().manual_seed(1))[: min(rows, slots)].tolist())
     slot_per_row = [chosen[i * len(chosen) // rows] for i in range(rows)]
-    meta = SgmvMetaBuilder(rows * row_len, dev).build(
+    return SgmvMetaBuilder(rows * row_len, device).build(
         slot_per_row=torch.tensor(slot_per_row, dtype=torch.int32), row_len=row_len, max_rank=rank
     )
-    t = rows * row_len
+
+
+def make_case(case: str, tokens: int, row_len: int, slots: int, rank: int, gen):
+    """Tensors of one serving case: every row of ``row_len`` tokens its own adapter."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    width = 3072 if case == "gelu" else 768
+    meta = row_meta(tokens, row_len, slots, rank, dev)
+    t = meta.num_tokens
     v = torch.randn(t, rank, device=dev, generator=gen)
     scales = torch.rand(slots, device=dev, generator=gen) + 0.5
     lora_b = (torch.randn(slots, width, rank, device=dev, generator=gen) * 0.1).to(dt)
@@ -135,12 +150,8 @@ def sizes_main(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 61440], help="token counts")
-    p.add_argument("--row-len", type=int, default=120)
-    p.add_argument("--slots", type=int, default=1024)
+    size_arguments(p, "perf/results/expand-sizes.json")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out", type=Path, default=Path("perf/results/expand-sizes.json"))
     args = p.parse_args(argv)
     assert torch.cuda.is_available(), "a GPU measurement"
     return sizes_main(args)
