@@ -42,9 +42,9 @@ class HeadLoraLinear(nn.Module):
         self.base = base
         self._heads = store_ref
         # this call's slots, set by HeadLoras._set in place (no nn.Module attribute set per call):
-        # None, ("single", slot) for one slot for the whole call, or ("rows", index, selected) per
-        # leading row of the input: index [N] its slot clamped at 0, selected [N, 1, 1] slot >= 0
-        # (None when every row has an adapter)
+        # None, ("single", slot) for one slot for the whole call, or ("rows", index, selected, scales)
+        # per leading row of the input: index [N] its slot clamped at 0, selected [N, 1, 1] slot >= 0
+        # (None when every row has an adapter), scales [modules, N, 1, 1] every module's row scales
         self.call: list = [None]
 
     @property
@@ -61,27 +61,28 @@ class HeadLoraLinear(nn.Module):
         call = self.call[0]
         if store is None or call is None:
             return y
-        a_all, b_all, scales = store.a[self.name], store.b[self.name], store.scales[self.name]
         out = y.shape[-1]
         if call[0] == "single":
             slot = call[1]
-            v = nn.functional.linear(x, a_all[slot]) * scales[slot].to(x.dtype)
-            y.view(-1, out).addmm_(v.view(-1, v.shape[-1]), b_all[slot].t())  # + v Bᵀ in the GEMM's epilogue
+            v = nn.functional.linear(x, store.a[self.name][slot]) * store.scales[self.name][slot].to(x.dtype)
+            y.view(-1, out).addmm_(v.view(-1, v.shape[-1]), store.b[self.name][slot].t())  # + v Bᵀ in the GEMM
             return y
-        _, index, selected = call
+        _, index, selected, row_scales = call
+        # gathered in the store's layout (whole contiguous [R, in] and [out, R] blocks per row), then
+        # transposed as views: a gather from transposed views would read them with a stride
+        a = store.a[self.name].index_select(0, index).transpose(1, 2)  # [N, in, R]
         n = x.shape[0]
-        v = torch.bmm(x.reshape(n, -1, x.shape[-1]), a_all.index_select(0, index).transpose(1, 2))  # [N, M, R]
-        v = v * scales.index_select(0, index).view(n, 1, 1).to(v.dtype)
-        b = b_all.index_select(0, index)  # [N, out, R]
+        v = torch.bmm(x.reshape(n, -1, x.shape[-1]), a) * row_scales[store.scale_rows[self.name]]
+        b = store.b[self.name].index_select(0, index).transpose(1, 2)  # [N, R, out]
         if selected is not None:
             # rows without an adapter gathered slot 0: their factors are selected away, never
             # multiplied by zero (a non-finite slot 0 would make NaN x 0 = NaN for them)
             zero = torch.zeros((), dtype=v.dtype, device=v.device)
             v, b = torch.where(selected, v, zero), torch.where(selected, b, zero)
-        # y += v Bᵀ per row inside the batched GEMM (it reads y in its epilogue): the update's own
+        # y += v B per row inside the batched GEMM (it reads y in its epilogue): the update's own
         # [N, M, out] tensor and its scale, select and add passes over it were 1.4 ms of GPU time
         # in a 150-row LoRA chunk (H200 kernel table, perf/profile_core.py, session 20)
-        y.view(n, -1, out).baddbmm_(v, b.transpose(1, 2))
+        y.view(n, -1, out).baddbmm_(v, b)
         return y
 
 
@@ -147,8 +148,10 @@ class HeadLoras:
             # per-row path gathers, runs two batched GEMMs and selects (H200 profile_core, one LoRA row:
             # 8 head linears took 3 ms of host time that way)
             rows, single = None, rows[0]
-        active = self.row_slots is not None and (
-            (rows is not None and any(s >= 0 for s in rows)) or (single is not None and single >= 0)
+        active = (
+            self.store is not None
+            and self.row_slots is not None
+            and ((rows is not None and any(s >= 0 for s in rows)) or (single is not None and single >= 0))
         )
         chosen = self._layers(prefixes) if active else []
         call = None
@@ -159,7 +162,11 @@ class HeadLoras:
                 slots = device_tensor(list(rows), next(iter(self.linears.values())).base.weight.device)
             # the mask only where a row has no adapter (None: every row is selected)
             mask = None if all(s >= 0 for s in rows) else (slots >= 0).view(-1, 1, 1)
-            call = ("rows", slots.clamp(min=0), mask)
+            index = slots.clamp(min=0)
+            # every module's scale of each row, gathered once for all chosen layers
+            dtype = chosen[0].base.weight.dtype
+            scales = self.store.scale_table.index_select(1, index).to(dtype).view(-1, len(rows), 1, 1)
+            call = ("rows", index, mask, scales)
         elif chosen:
             call = ("single", single)
         for module in chosen:

@@ -180,6 +180,7 @@ class AdapterStore:
         # scales [modules, slots]: each module's row is contiguous for the kernels
         self._scale_table = torch.zeros(len(shapes), gpu_slots, device=device, dtype=torch.float32)
         self.scales = {n: self._scale_table[k] for k, n in enumerate(shapes)}
+        self.scale_rows = {n: k for k, n in enumerate(shapes)}  # module -> its row of scale_table
         self.ranks = torch.zeros(gpu_slots, device=device, dtype=torch.int32)
         self.pin_memory = device.type == "cuda"
         self._lock = threading.Lock()
@@ -212,6 +213,11 @@ class AdapterStore:
     @property
     def gpu_bytes(self) -> int:
         return self._slab.numel() * self._slab.element_size()
+
+    @property
+    def scale_table(self) -> torch.Tensor:
+        """Every module's scale per slot, float32 [modules, slots] (row of a module: scale_rows)."""
+        return self._scale_table
 
     @property
     def host_bytes(self) -> int:
