@@ -33,7 +33,7 @@ from .reference import (
 )
 
 BACKENDS = ("triton", "torch")
-# widest row expand's layer_norm epilogue takes (sgmv_expand.LAYER_NORM_MAX_WIDTH, without importing Triton)
+# widest row expand's layer_norm epilogue takes: its block holds BLOCK_M x that many float32 values
 LAYER_NORM_MAX_WIDTH = 1024
 
 __all__ = [

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import LAYER_NORM_MAX_WIDTH
 from .launch_config import get_config, rank_block
 from .meta import SgmvMeta
 
@@ -45,8 +46,6 @@ from .meta import SgmvMeta
 # H200, 32,760 tokens of 768 columns (perf/bench_expand_variants.py --sizes, session 20): 94 µs
 # against 137 for the residual expand then torch's layer_norm; 8 warps 133, BLOCK_M 32 123-221.
 LAYER_NORM_CONFIG = {"BLOCK_M": 16, "num_warps": 4, "num_stages": 2}
-# Widest row the epilogue takes: the block holds BLOCK_M x that many float32 values in registers.
-LAYER_NORM_MAX_WIDTH = 1024
 
 
 @triton.jit

@@ -65,7 +65,6 @@ class LoraBatch:
         index = {s: g for g, s in enumerate(group_slots)}
         device = store.device
         self.group_slots = device_tensor([max(s, 0) for s in group_slots], device)
-        self.group_has_adapter = device_tensor([s >= 0 for s in group_slots], device, torch.bool)
         # group 0 holds the rows without an adapter when there are any (slot -1 sorts first)
         self.base_group = group_slots[0] < 0
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)

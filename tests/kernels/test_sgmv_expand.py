@@ -292,12 +292,3 @@ def test_programs_walking_several_column_blocks(device, mode):
         config.update(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
         got = sgmv_expand(v, lora_b, scales, meta, y_before.clone(), config=config, **kw)
         assert_close(got, want, dtype)
-
-
-def test_layer_norm_width_bound_is_shared():
-    """The package's bound (read without importing Triton) is the kernel's."""
-    from manylora.kernels import sgmv_expand as module
-
-    from manylora import kernels
-
-    assert kernels.LAYER_NORM_MAX_WIDTH == module.LAYER_NORM_MAX_WIDTH

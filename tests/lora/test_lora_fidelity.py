@@ -301,7 +301,9 @@ def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_check
         monkeypatch.setattr(LoraBatch, "POSITION_CHUNK", 2 * groups * rank * hidden)
         lora.prepare_positions(modules, window)
         assert len([m for m in modules if m in lora.targets]) > 2, "more than one chunk of modules"
-        slots, has = lora.group_slots.tolist(), lora.group_has_adapter.tolist()
+        slots = lora.group_slots.tolist()
+        assert lora.base_group, "the base row's group is group 0"
+        has = [k > 0 for k in range(len(slots))]
         for name in modules:
             got = lora.position_factors(name, window)
             if name not in lora.targets:
