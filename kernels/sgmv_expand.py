@@ -34,6 +34,8 @@ because tl.dot needs K >= 16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -118,7 +120,37 @@ def _expand_block(
         w = tl.load(ln_w_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         b = tl.load(ln_b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         out = d * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    out = out.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, out, mask=y_mask)
+    return out
+
+
+@triton.jit
+def _next_shrink_block(
+    acc,  # [BLOCK_M, BLOCK_R] fp32
+    out,  # [BLOCK_M, BLOCK_N] the block of y just stored (y's dtype)
+    a_ptr,  # the next linear's A [num_slots, R_max, H_out], unit stride on H_out
+    slot,
+    offs_n,
+    offs_r,
+    mask_r,
+    h_out,
+    stride_a_slot,
+    stride_a_r,
+    EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """acc + out @ A[slot][:, block]ᵀ: one block's share of the next linear's shrink."""
+    a_ptrs = a_ptr + slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_n[None, :]
+    if EVEN_N:
+        a_tile = tl.load(a_ptrs, mask=mask_r[:, None], other=0.0)
+    else:
+        a_tile = tl.load(a_ptrs, mask=mask_r[:, None] & (offs_n < h_out)[None, :], other=0.0)
+    if DOT_IN_FP32:
+        out = out.to(tl.float32)
+        a_tile = a_tile.to(tl.float32)
+    return tl.dot(out, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -134,6 +166,12 @@ def _sgmv_expand_kernel(
     ln_w_ptr,  # [H_out] layer norm weight (unused unless LAYER_NORM)
     ln_b_ptr,  # [H_out] layer norm bias (unused unless LAYER_NORM)
     tiles_ptr,  # int32 [1 + 3 * tile_cap]: num_tiles, then (slot, start, end) per tile (meta.py)
+    a0_ptr,  # the next linears' A [num_slots, R_max, H_out] (unused past NUM_NEXT)
+    a1_ptr,
+    a2_ptr,
+    u0_ptr,  # their shrink outputs [T, >= R_max], written (unused past NUM_NEXT)
+    u1_ptr,
+    u2_ptr,
     # sizes
     h_out,
     rank_cap,  # min(R_max, meta.max_rank): rank columns at or past it are never read
@@ -145,6 +183,9 @@ def _sgmv_expand_kernel(
     stride_b_h,
     stride_y_t,
     stride_res_t,
+    stride_a_slot,  # of a0..a2 (one layout)
+    stride_a_r,
+    stride_u_t,  # of u0..u2
     # meta-parameters
     BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
     BLOCK_N: tl.constexpr,  # output columns per block
@@ -157,6 +198,7 @@ def _sgmv_expand_kernel(
     HAS_RESIDUAL: tl.constexpr,  # y = round(round(y + update) + residual); accumulate mode
     GELU: tl.constexpr,  # y = round(gelu(round(y + update))), exact erf GELU; accumulate mode
     LAYER_NORM: tl.constexpr,  # then y = round(layer_norm(row)); BLOCK_N spans the row
+    NUM_NEXT: tl.constexpr,  # 0-3: then u_j = y_row @ A_j[slot]ᵀ (one program spans the row)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights, else "tf32" (ignored for 16-bit)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the CPU interpreter multiplies bf16 as raw bits
 ):
@@ -184,21 +226,53 @@ def _sgmv_expand_kernel(
         v_tile = v_tile.to(b_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             v_tile = v_tile.to(tl.float32)
+        acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # the next linears' shrinks
+        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if N_PER_PROG == BLOCK_N:  # one block per program
-            _expand_block(
-                v_tile, col0 + tl.arange(0, BLOCK_N), rows, mask_m, offs_r, mask_r, slot, scale,
+            offs_n = col0 + tl.arange(0, BLOCK_N)
+            out = _expand_block(
+                v_tile, offs_n, rows, mask_m, offs_r, mask_r, slot, scale,
                 b_ptr, y_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, h_out, y_offset, eps,
                 stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
                 EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, LAYER_NORM, DOT_PRECISION, DOT_IN_FP32,
             )  # fmt: skip
+            if NUM_NEXT > 0:
+                acc0 = _next_shrink_block(acc0, out, a0_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
+                                          stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
+            if NUM_NEXT > 1:
+                acc1 = _next_shrink_block(acc1, out, a1_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
+                                          stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
+            if NUM_NEXT > 2:
+                acc2 = _next_shrink_block(acc2, out, a2_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
+                                          stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
         else:  # the v tile and the tile's metadata serve N_PER_PROG // BLOCK_N blocks, pipelined
             for nb in tl.range(0, N_PER_PROG, BLOCK_N, num_stages=2):
-                _expand_block(
-                    v_tile, col0 + nb + tl.arange(0, BLOCK_N), rows, mask_m, offs_r, mask_r, slot, scale,
+                offs_n = col0 + nb + tl.arange(0, BLOCK_N)
+                out = _expand_block(
+                    v_tile, offs_n, rows, mask_m, offs_r, mask_r, slot, scale,
                     b_ptr, y_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, h_out, y_offset, eps,
                     stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
                     EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, False, DOT_PRECISION, DOT_IN_FP32,
                 )  # fmt: skip
+                if NUM_NEXT > 0:
+                    acc0 = _next_shrink_block(acc0, out, a0_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
+                                              stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
+                if NUM_NEXT > 1:
+                    acc1 = _next_shrink_block(acc1, out, a1_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
+                                              stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
+                if NUM_NEXT > 2:
+                    acc2 = _next_shrink_block(acc2, out, a2_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
+                                              stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
+        # the next linears' shrink outputs, stored as sgmv_shrink stores them
+        u_offs = rows * stride_u_t + offs_r[None, :]
+        u_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
+        if NUM_NEXT > 0:
+            tl.store(u0_ptr + u_offs, acc0.to(u0_ptr.dtype.element_ty), mask=u_mask)
+        if NUM_NEXT > 1:
+            tl.store(u1_ptr + u_offs, acc1.to(u1_ptr.dtype.element_ty), mask=u_mask)
+        if NUM_NEXT > 2:
+            tl.store(u2_ptr + u_offs, acc2.to(u2_ptr.dtype.element_ty), mask=u_mask)
 
 
 def sgmv_expand(
@@ -215,6 +289,7 @@ def sgmv_expand(
     residual: torch.Tensor | None = None,  # [T, H_out], y's dtype; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
     layer_norm: tuple | None = None,  # (weight [H_out], bias [H_out], eps): then torch's layer_norm
+    next_shrinks: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),  # up to 3 (lora_a, u): see below
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0, r = rank(s):
@@ -228,6 +303,11 @@ def sgmv_expand(
         ``gelu`` it goes through the exact GELU (rounded first too); see the module docstring.
         With ``layer_norm`` the row (rounded) is then normalised over its H_out columns in fp32 and
         rounded: torch's layer_norm of the stored row (biased variance, ``eps`` inside the root).
+        Then, for each (lora_a [num_slots, R_max, H_out], u [T, >= R_max]) of ``next_shrinks``:
+            u[t, :r] = y[t, y_offset : y_offset + H_out] @ lora_a[s, :r, :]ᵀ     (the stored row)
+        which is sgmv_shrink of the next linears that read y, from the row while it is in
+        registers instead of another read of y (one program then spans the row: N_PER_PROG is
+        raised to H_out).
     Mutates y in place and returns it. Every adapter's rank must be <= meta.max_rank when
     that is set. v and y may be strided views with unit stride on their last axis.
     """
@@ -277,14 +357,29 @@ def sgmv_expand(
         ln_weight, ln_bias, eps = layer_norm
         assert ln_weight.shape == ln_bias.shape == (h_out,), f"layer_norm weight and bias must be [H_out={h_out}]"
         assert ln_weight.stride(0) == ln_bias.stride(0) == 1, "layer_norm weight and bias must be contiguous"
+    assert len(next_shrinks) <= 3, "at most three next shrinks"
+    for lora_a, u in next_shrinks:
+        assert lora_a.shape == (num_slots, r_max, h_out) and lora_a.dtype == y.dtype, (
+            f"a next lora_a must be [{num_slots}, {r_max}, H_out={h_out}] of {y.dtype}"
+        )
+        assert lora_a.stride() == next_shrinks[0][0].stride() and lora_a.stride(2) == 1, "one A layout"
+        assert u.dim() == 2 and u.shape[0] == num_tokens and u.shape[1] >= r_max and u.stride(1) == 1, (
+            f"a next u must be [T={num_tokens}, >= {r_max}] with unit stride on R"
+        )
+        assert u.dtype == next_shrinks[0][1].dtype in (torch.float32, y.dtype), "u: fp32 or y's dtype"
+        assert u.stride(0) == next_shrinks[0][1].stride(0), "one u layout"
+        assert lora_a.device == u.device == y.device, "next shrinks on y's device"
     if config is None and layer_norm is not None:  # one block spans the row
         config = dict(LAYER_NORM_CONFIG, BLOCK_N=triton.next_power_of_2(h_out))
     elif config is None:
         config = get_config("sgmv_expand", y.device, num_tokens, h_out, block_r, y.element_size())
     block_n = config["BLOCK_N"]
     n_per_prog = config.get("N_PER_PROG", block_n)
+    if next_shrinks:  # one program walks the whole row
+        n_per_prog = max(n_per_prog, -(-h_out // block_n) * block_n)
     assert n_per_prog % block_n == 0, f"N_PER_PROG {n_per_prog} is not a multiple of BLOCK_N {block_n}"
     assert layer_norm is None or n_per_prog == block_n >= h_out, "with layer_norm one block spans the row"
+    nexts = list(next_shrinks) + [(lora_b, y)] * (3 - len(next_shrinks))  # any pointers past NUM_NEXT
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound, -(-h_out // n_per_prog))
     _sgmv_expand_kernel[grid](
@@ -298,6 +393,8 @@ def sgmv_expand(
         y if layer_norm is None else layer_norm[0],  # any pointers when LAYER_NORM is off
         y if layer_norm is None else layer_norm[1],
         tiles.packed,
+        *(a for a, _ in nexts),
+        *(u for _, u in nexts),
         h_out,
         rank_cap,
         y_offset,
@@ -307,6 +404,9 @@ def sgmv_expand(
         lora_b.stride(1),
         y.stride(0),
         0 if residual is None else residual.stride(0),
+        nexts[0][0].stride(0),
+        nexts[0][0].stride(1),
+        nexts[0][1].stride(0),
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=block_n,
         N_PER_PROG=n_per_prog,
@@ -318,6 +418,7 @@ def sgmv_expand(
         HAS_RESIDUAL=residual is not None,
         GELU=gelu,
         LAYER_NORM=layer_norm is not None,
+        NUM_NEXT=len(next_shrinks),
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=y.device.type == "cpu",
         num_warps=config["num_warps"],

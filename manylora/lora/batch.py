@@ -70,6 +70,7 @@ class LoraBatch:
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
+        self._ready: dict = {}  # name -> (x, v): an earlier expand's shrink of x for that linear
         self._positions: dict[str, PositionLora] = {}  # prepare_positions' factors, for one window
         self._positions_window: Optional[torch.Tensor] = None
 
@@ -107,15 +108,29 @@ class LoraBatch:
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
         layer_norm: Optional[tuple] = None,
+        then: Sequence[str] = (),
     ) -> None:
         """y += each token's scale * (x A^T) B^T for its row's adapter (in place); with
         ``accumulate=False``, y = bias + that update (y is not read). ``residual`` / ``gelu`` /
         ``layer_norm`` (weight, bias, eps): then + residual, the exact GELU and / or the layer
-        norm, rounded as torch's own passes (only where ``fuses_epilogue``)."""
+        norm, rounded as torch's own passes (only where ``fuses_epilogue``).
+
+        ``then``: the linears that read the result y next (at most 3). Where the expand carries an
+        epilogue (one program then holds the whole row), it also computes their shrinks of y, and
+        their ``apply`` on this y skips its own read of it: for GLiNER2-base per layer, 5 of the 6
+        shrinks (all but the first layer's query, key and value)."""
         if name not in self.targets:
             return
         store = self.store
-        v = self._v(x)
+        ready = self._ready.pop(name, None)
+        shrunk = ready is not None and ready[0].data_ptr() == x.data_ptr() and ready[0].shape[0] == x.shape[0]
+        v = ready[1] if shrunk else self._v(x)
+        nexts = [n for n in then if n in self.targets] if accumulate else []  # y is final only then
+        next_shrinks = []
+        for n in nexts:
+            u = torch.empty(y.shape[0], store.max_rank, dtype=torch.float32, device=y.device)
+            next_shrinks.append((store.a[n], u))
+            self._ready[n] = (y, u)  # y is held, so no other tensor takes its address meanwhile
         kernels.lora_apply(
             x,
             y,
@@ -131,6 +146,8 @@ class LoraBatch:
             residual=residual,
             gelu=gelu,
             layer_norm=layer_norm,
+            next_shrinks=next_shrinks,
+            shrunk=shrunk,
         )
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,

@@ -292,3 +292,67 @@ def test_programs_walking_several_column_blocks(device, mode):
         config.update(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
         got = sgmv_expand(v, lora_b, scales, meta, y_before.clone(), config=config, **kw)
         assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize(
+    "mode,h_out,config",
+    [
+        ("layernorm", 200, None),  # one block spans the row (BLOCK_N 256 > H_out)
+        ("gelu", 200, {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}),  # a walk past the end
+        ("residual", 256, {"BLOCK_M": 16, "BLOCK_N": 64, "N_PER_PROG": 128, "num_warps": 4, "num_stages": 2}),
+    ],
+)
+@pytest.mark.parametrize("count", [1, 3])
+def test_next_shrinks_are_the_shrinks_of_the_stored_rows(device, mode, h_out, config, count):
+    """``next_shrinks``: each next linear's u is sgmv_shrink of the expand's own output rows (the
+    float32 product of the stored row and A, within the rounding of u), with mixed ranks (A's
+    padding is NaN: a load past a slot's rank fails), a program that must walk the whole row (its
+    N_PER_PROG is raised), and rows of slot -1 left untouched in y and in every u."""
+    gen = torch.Generator().manual_seed(23)
+    dtype = torch.bfloat16
+    slots = make_slot_per_token("uniform", 150, NUM_SLOTS, True, gen)
+    ranks = torch.randint(4, 17, (NUM_SLOTS,), generator=gen, dtype=torch.int32)
+    _, lora_b, scales = make_lora(NUM_SLOTS, 16, 8, h_out, dtype, device, gen, ranks)
+    nexts = [make_lora(NUM_SLOTS, 16, h_out, 8, dtype, device, gen, ranks)[0] for _ in range(count)]
+    v = torch.randn(len(slots), 16, generator=gen).to(device)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    kw = (
+        {"gelu": True}
+        if mode == "gelu"
+        else {"residual": torch.randn(len(slots), h_out, generator=gen).to(device, dtype)}
+    )
+    if mode == "layernorm":
+        kw["layer_norm"] = (
+            (1 + 0.1 * torch.randn(h_out, generator=gen)).to(device, dtype),
+            torch.zeros(h_out).to(device, dtype),
+            1e-7,
+        )
+    y_before = torch.randn(len(slots), h_out, generator=gen).to(device, dtype)
+    us = [torch.full((len(slots), 16), 7.0, device=device) for _ in nexts]
+    got = sgmv_expand(
+        v,
+        lora_b,
+        scales,
+        meta,
+        y_before.clone(),
+        ranks.to(device),
+        config=config,
+        next_shrinks=list(zip(nexts, us)),
+        **kw,
+    )
+    want = sgmv_expand_ref(v, lora_b, scales, meta, y_before.clone(), ranks.to(device), **kw)
+    assert_close(got, want, dtype)
+    adapted = torch.tensor(slots, device=device) >= 0
+    slot_index = torch.tensor(slots, device=device).clamp(min=0)
+    rank_of = ranks.to(device)[slot_index]
+    for lora_a, u in zip(nexts, us):
+        a = torch.nan_to_num(lora_a.float(), nan=0.0)[slot_index]  # [T, R, H_out], padding past the rank 0
+        defined = torch.einsum("th,trh->tr", got.float(), a)
+        in_rank = torch.arange(16, device=device)[None, :] < rank_of[:, None]
+        torch.testing.assert_close(
+            u[adapted][in_rank[adapted]], defined[adapted][in_rank[adapted]], atol=2e-3, rtol=2e-3
+        )
+        assert torch.all(u[adapted][~in_rank[adapted]] == 0), "u past a slot's rank is zero, as sgmv_shrink writes it"
+        assert torch.all(u[~adapted] == 7.0), "rows of slot -1 must stay untouched"
+        assert defined[adapted].abs().max() > 1.0  # a u that stayed zero would fail above
+    assert torch.equal(got[~adapted], y_before[~adapted]), "rows of slot -1 must stay untouched"
