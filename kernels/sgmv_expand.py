@@ -48,6 +48,8 @@ from .meta import SgmvMeta
 # H200, 32,760 tokens of 768 columns (perf/bench_expand_variants.py --sizes, session 20): 94 µs
 # against 137 for the residual expand then torch's layer_norm; 8 warps 133, BLOCK_M 32 123-221.
 LAYER_NORM_CONFIG = {"BLOCK_M": 16, "num_warps": 4, "num_stages": 2}
+# the columns per step with which next_shrinks reads a program's rows back
+NEXT_BLOCK_K = tl.constexpr(128)
 
 
 @triton.jit
@@ -120,37 +122,78 @@ def _expand_block(
         w = tl.load(ln_w_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         b = tl.load(ln_b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         out = d * rstd[:, None] * w[None, :] + b[None, :]
-    out = out.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptrs, out, mask=y_mask)
-    return out
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def _next_shrink_block(
-    acc,  # [BLOCK_M, BLOCK_R] fp32
-    out,  # [BLOCK_M, BLOCK_N] the block of y just stored (y's dtype)
-    a_ptr,  # the next linear's A [num_slots, R_max, H_out], unit stride on H_out
+def _next_shrinks(
+    rows,  # [BLOCK_M, 1] int64 token rows
+    mask_m,
     slot,
-    offs_n,
     offs_r,
     mask_r,
+    rank_cap,
+    y_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    u0_ptr,
+    u1_ptr,
+    u2_ptr,
     h_out,
+    y_offset,
+    stride_y_t,
     stride_a_slot,
     stride_a_r,
-    EVEN_N: tl.constexpr,
+    stride_u_t,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NUM_NEXT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    """acc + out @ A[slot][:, block]ᵀ: one block's share of the next linear's shrink."""
-    a_ptrs = a_ptr + slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_n[None, :]
-    if EVEN_N:
-        a_tile = tl.load(a_ptrs, mask=mask_r[:, None], other=0.0)
-    else:
-        a_tile = tl.load(a_ptrs, mask=mask_r[:, None] & (offs_n < h_out)[None, :], other=0.0)
-    if DOT_IN_FP32:
-        out = out.to(tl.float32)
-        a_tile = a_tile.to(tl.float32)
-    return tl.dot(out, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
+    """u_j[rows] = y[rows] @ A_j[slot]ᵀ for the rows this program has just stored, read back in
+    NEXT_BLOCK_K steps (from L2: the rows were written a moment ago) as sgmv_shrink reads x, with
+    the tile in the dot's own layout. Taking the dot's operand from the epilogue's registers
+    instead spilled: 56x the time of the separate shrink for a 768-wide layer-norm row (session 21,
+    perf/bench_expand_variants.py --next-shrinks)."""
+    tl.debug_barrier()  # the whole CTA's stores of these rows before any thread reads them back
+    offs_k = tl.arange(0, NEXT_BLOCK_K)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_offs = slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :]
+    y_ptrs = y_ptr + rows * stride_y_t + y_offset + offs_k[None, :]
+    for k in range(0, tl.cdiv(h_out, NEXT_BLOCK_K)):
+        mask_k = offs_k < h_out - k * NEXT_BLOCK_K
+        y_tile = tl.load(y_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a_mask = mask_r[:, None] & mask_k[None, :]
+        if DOT_IN_FP32:
+            y_tile = y_tile.to(tl.float32)
+        a_tile = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
+        if DOT_IN_FP32:
+            a_tile = a_tile.to(tl.float32)
+        acc0 = tl.dot(y_tile, tl.trans(a_tile), acc0, input_precision=DOT_PRECISION)
+        if NUM_NEXT > 1:
+            a_tile = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
+            if DOT_IN_FP32:
+                a_tile = a_tile.to(tl.float32)
+            acc1 = tl.dot(y_tile, tl.trans(a_tile), acc1, input_precision=DOT_PRECISION)
+        if NUM_NEXT > 2:
+            a_tile = tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0)
+            if DOT_IN_FP32:
+                a_tile = a_tile.to(tl.float32)
+            acc2 = tl.dot(y_tile, tl.trans(a_tile), acc2, input_precision=DOT_PRECISION)
+        y_ptrs += NEXT_BLOCK_K
+        a_offs += NEXT_BLOCK_K
+    # stored as sgmv_shrink stores them
+    u_offs = rows * stride_u_t + offs_r[None, :]
+    u_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
+    tl.store(u0_ptr + u_offs, acc0.to(u0_ptr.dtype.element_ty), mask=u_mask)
+    if NUM_NEXT > 1:
+        tl.store(u1_ptr + u_offs, acc1.to(u1_ptr.dtype.element_ty), mask=u_mask)
+    if NUM_NEXT > 2:
+        tl.store(u2_ptr + u_offs, acc2.to(u2_ptr.dtype.element_ty), mask=u_mask)
 
 
 @triton.jit
@@ -226,53 +269,27 @@ def _sgmv_expand_kernel(
         v_tile = v_tile.to(b_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             v_tile = v_tile.to(tl.float32)
-        acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # the next linears' shrinks
-        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if N_PER_PROG == BLOCK_N:  # one block per program
-            offs_n = col0 + tl.arange(0, BLOCK_N)
-            out = _expand_block(
-                v_tile, offs_n, rows, mask_m, offs_r, mask_r, slot, scale,
+            _expand_block(
+                v_tile, col0 + tl.arange(0, BLOCK_N), rows, mask_m, offs_r, mask_r, slot, scale,
                 b_ptr, y_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, h_out, y_offset, eps,
                 stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
                 EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, LAYER_NORM, DOT_PRECISION, DOT_IN_FP32,
             )  # fmt: skip
-            if NUM_NEXT > 0:
-                acc0 = _next_shrink_block(acc0, out, a0_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
-                                          stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
-            if NUM_NEXT > 1:
-                acc1 = _next_shrink_block(acc1, out, a1_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
-                                          stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
-            if NUM_NEXT > 2:
-                acc2 = _next_shrink_block(acc2, out, a2_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
-                                          stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
         else:  # the v tile and the tile's metadata serve N_PER_PROG // BLOCK_N blocks, pipelined
             for nb in tl.range(0, N_PER_PROG, BLOCK_N, num_stages=2):
-                offs_n = col0 + nb + tl.arange(0, BLOCK_N)
-                out = _expand_block(
-                    v_tile, offs_n, rows, mask_m, offs_r, mask_r, slot, scale,
+                _expand_block(
+                    v_tile, col0 + nb + tl.arange(0, BLOCK_N), rows, mask_m, offs_r, mask_r, slot, scale,
                     b_ptr, y_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, h_out, y_offset, eps,
                     stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
                     EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, False, DOT_PRECISION, DOT_IN_FP32,
                 )  # fmt: skip
-                if NUM_NEXT > 0:
-                    acc0 = _next_shrink_block(acc0, out, a0_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
-                                              stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
-                if NUM_NEXT > 1:
-                    acc1 = _next_shrink_block(acc1, out, a1_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
-                                              stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
-                if NUM_NEXT > 2:
-                    acc2 = _next_shrink_block(acc2, out, a2_ptr, slot, offs_n, offs_r, mask_r, h_out, stride_a_slot,
-                                              stride_a_r, EVEN_N, DOT_PRECISION, DOT_IN_FP32)  # fmt: skip
-        # the next linears' shrink outputs, stored as sgmv_shrink stores them
-        u_offs = rows * stride_u_t + offs_r[None, :]
-        u_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
-        if NUM_NEXT > 0:
-            tl.store(u0_ptr + u_offs, acc0.to(u0_ptr.dtype.element_ty), mask=u_mask)
-        if NUM_NEXT > 1:
-            tl.store(u1_ptr + u_offs, acc1.to(u1_ptr.dtype.element_ty), mask=u_mask)
-        if NUM_NEXT > 2:
-            tl.store(u2_ptr + u_offs, acc2.to(u2_ptr.dtype.element_ty), mask=u_mask)
+        if NUM_NEXT > 0:  # this program holds whole rows: the next linears' shrinks of them
+            _next_shrinks(
+                rows, mask_m, slot, offs_r, mask_r, rank_cap, y_ptr, a0_ptr, a1_ptr, a2_ptr, u0_ptr, u1_ptr, u2_ptr,
+                h_out, y_offset, stride_y_t, stride_a_slot, stride_a_r, stride_u_t,
+                BLOCK_M, BLOCK_R, NUM_NEXT, DOT_PRECISION, DOT_IN_FP32,
+            )  # fmt: skip
 
 
 def sgmv_expand(

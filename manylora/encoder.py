@@ -382,6 +382,9 @@ class Encoder(nn.Module):
         # DeBERTa's residual adds and GELU inside the LoRA expand when every row has an adapter
         # (the engine's fused_lora_epilogue; LoraBatch.fuses_epilogue)
         self.lora_fuse_epilogue = False
+        # which fused expands also compute the next linears' shrinks (LoraBatch.apply's ``then``):
+        # "all", "norm" (the layer-norm ones only: not FFN in's GELU) or "off"; an A/B knob
+        self.lora_next_shrinks = "all"
         # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
         self.position_modules = [
             name

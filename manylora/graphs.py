@@ -228,7 +228,8 @@ class EncoderGraphs:
         fused = bool(self.encoder.fused_attention)
         if not targets:
             return (bucket, padded, None, 0, fused, False)
-        epilogue = bool(covered and self.encoder.lora_fuse_epilogue)
+        # False, or the encoder's lora_next_shrinks (a non-empty string) where the epilogue is fused
+        epilogue = bool(covered and self.encoder.lora_fuse_epilogue) and self.encoder.lora_next_shrinks
         return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank), fused, epilogue)
 
     def padded_tokens(self, rows: int, length: int) -> int:
@@ -319,8 +320,9 @@ class EncoderGraphs:
             # with and without base rows; at these sizes the saved pass over y is not measurable
             backend = self.encoder.backend or "triton"
             lora = StaticLoraBatch(
-                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue
+                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, bool(epilogue)
             )
+            lora.next_shrinks = epilogue or "off"
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:
             self._fill(graph, input_ids, attention_mask, slot_per_row)

@@ -44,6 +44,7 @@ class LoraBatch:
         backend: str,
         write_first: bool = True,
         fuse_epilogue: bool = False,
+        next_shrinks: str = "all",
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -56,6 +57,7 @@ class LoraBatch:
         # every row has an adapter: the expand can also do the layer's next elementwise pass (see
         # fuses_epilogue); rows of slot -1 get no SGMV tile, so no epilogue either
         self.fuse_epilogue = fuse_epilogue and len(used) == len(slot_per_row) > 0
+        self.next_shrinks = next_shrinks  # see apply's ``then``: "all", "norm" or "off"
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -125,7 +127,9 @@ class LoraBatch:
         ready = self._ready.pop(name, None)
         shrunk = ready is not None and ready[0].data_ptr() == x.data_ptr() and ready[0].shape[0] == x.shape[0]
         v = ready[1] if shrunk else self._v(x)
-        nexts = [n for n in then if n in self.targets] if accumulate else []  # y is final only then
+        # y is final only when accumulated; "norm": only the layer-norm expands take them (an A/B)
+        wanted = accumulate and (self.next_shrinks == "all" or self.next_shrinks == "norm" and layer_norm is not None)
+        nexts = [n for n in then if n in self.targets] if wanted else []
         next_shrinks = []
         for n in nexts:
             u = torch.empty(y.shape[0], store.max_rank, dtype=torch.float32, device=y.device)
