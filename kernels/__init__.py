@@ -106,16 +106,14 @@ def expand(
     residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
     layer_norm: tuple | None = None,  # (weight, bias, eps): then torch's layer_norm of the row
-    next_shrinks=(),  # up to 3 (lora_a, u): u = shrink(the updated y, lora_a)
 ) -> torch.Tensor:
     """y[t, y_offset:+H_out] += scales[slot] · v[t, :rank] @ lora_b[slot, :, :rank]ᵀ; slot -1 rows
     untouched. With accumulate=False the rows are written (= bias + the update), y never read.
-    ``residual`` / ``gelu`` / ``layer_norm``: the layer's next elementwise pass on the updated
-    rows; ``next_shrinks``: the next linears' shrinks of the result (sgmv_expand)."""
+    ``residual`` / ``gelu``: the layer's next elementwise pass on the updated rows (sgmv_expand)."""
     _check_backend(backend)
     if backend == "torch":
         return sgmv_expand_ref(
-            v, lora_b, scales, meta, y, ranks, y_offset, accumulate, bias, residual, gelu, layer_norm, next_shrinks
+            v, lora_b, scales, meta, y, ranks, y_offset, accumulate, bias, residual, gelu, layer_norm
         )
     from .sgmv_expand import sgmv_expand
 
@@ -132,7 +130,6 @@ def expand(
         residual=residual,
         gelu=gelu,
         layer_norm=layer_norm,
-        next_shrinks=next_shrinks,
     )
 
 
@@ -152,24 +149,18 @@ def lora_apply(
     residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
     layer_norm: tuple | None = None,  # (weight, bias, eps): then torch's layer_norm of the row
-    next_shrinks=(),  # up to 3 (lora_a, u): u = shrink(the updated y, lora_a)
-    shrunk: bool = False,  # v already holds shrink(x, lora_a) (an earlier expand's next_shrinks)
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0:
             y[t, y_offset : y_offset + H_out] += scales[s] * (x[t] @ lora_a[s]ᵀ) @ lora_b[s]ᵀ
         (with accumulate=False: = bias + that update, y never read), then the epilogue
-        (``residual``, ``gelu``, ``layer_norm``; see sgmv_expand) and the ``next_shrinks`` of the
-        result. Rows of slot -1 are left untouched.
+        (``residual``, ``gelu``, ``layer_norm``; see sgmv_expand). Rows of slot -1 are left untouched.
     Mutates y (and the scratch v) in place; returns y.
     """
     if v is None:
         v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    if not shrunk:
-        shrink(x, lora_a, meta, v, ranks, backend)
-    return expand(
-        v, lora_b, scales, meta, y, ranks, y_offset, backend, accumulate, bias, residual, gelu, layer_norm, next_shrinks
-    )
+    shrink(x, lora_a, meta, v, ranks, backend)
+    return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend, accumulate, bias, residual, gelu, layer_norm)
 
 
 def relpos_bias(

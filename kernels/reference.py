@@ -67,7 +67,6 @@ def sgmv_expand_ref(
     residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
     layer_norm: tuple | None = None,  # (weight, bias, eps): then torch's layer_norm of the row
-    next_shrinks=(),  # (lora_a, u) pairs: u = the updated y's shrink (sgmv_shrink_ref)
 ) -> torch.Tensor:
     """Semantics (same as sgmv_expand):
         for each token t with slot s = slot(t) >= 0, r = rank(s):
@@ -75,8 +74,7 @@ def sgmv_expand_ref(
         or, with accumulate=False, = bias (0 if None) + the same update;
         then, rounded to y's dtype, + residual[t] and / or the exact GELU, each rounded (torch's
         own add and gelu on the stored row), then torch's layer_norm of the row with ``layer_norm``;
-        rows of slot -1 are left untouched; then sgmv_shrink_ref(updated y, lora_a, u) for each of
-        ``next_shrinks``.
+        rows of slot -1 are left untouched.
     Updates y in place and returns it.
     """
     h_out, r_max = lora_b.shape[1], lora_b.shape[2]
@@ -103,8 +101,6 @@ def sgmv_expand_ref(
         if layer_norm is not None:
             out = torch.nn.functional.layer_norm(out, (h_out,), *layer_norm)
         y_rows.copy_(out)
-    for lora_a, u in next_shrinks:
-        sgmv_shrink_ref(y_cols, lora_a, meta, u, ranks)
     return y
 
 

@@ -34,8 +34,6 @@ because tl.dot needs K >= 16.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -48,8 +46,6 @@ from .meta import SgmvMeta
 # H200, 32,760 tokens of 768 columns (perf/bench_expand_variants.py --sizes, session 20): 94 µs
 # against 137 for the residual expand then torch's layer_norm; 8 warps 133, BLOCK_M 32 123-221.
 LAYER_NORM_CONFIG = {"BLOCK_M": 16, "num_warps": 4, "num_stages": 2}
-# the columns per step with which next_shrinks reads a program's rows back
-NEXT_BLOCK_K = tl.constexpr(128)
 
 
 @triton.jit
@@ -126,77 +122,6 @@ def _expand_block(
 
 
 @triton.jit
-def _next_shrinks(
-    rows,  # [BLOCK_M, 1] int64 token rows
-    mask_m,
-    slot,
-    offs_r,
-    mask_r,
-    rank_cap,
-    y_ptr,
-    a0_ptr,
-    a1_ptr,
-    a2_ptr,
-    u0_ptr,
-    u1_ptr,
-    u2_ptr,
-    h_out,
-    y_offset,
-    stride_y_t,
-    stride_a_slot,
-    stride_a_r,
-    stride_u_t,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    NUM_NEXT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
-):
-    """u_j[rows] = y[rows] @ A_j[slot]ᵀ for the rows this program has just stored, read back in
-    NEXT_BLOCK_K steps (from L2: the rows were written a moment ago) as sgmv_shrink reads x, with
-    the tile in the dot's own layout. Taking the dot's operand from the epilogue's registers
-    instead spilled: 56x the time of the separate shrink for a 768-wide layer-norm row (session 21,
-    perf/bench_expand_variants.py --next-shrinks)."""
-    tl.debug_barrier()  # the whole CTA's stores of these rows before any thread reads them back
-    offs_k = tl.arange(0, NEXT_BLOCK_K)
-    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    a_offs = slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :]
-    y_ptrs = y_ptr + rows * stride_y_t + y_offset + offs_k[None, :]
-    for k in range(0, tl.cdiv(h_out, NEXT_BLOCK_K)):
-        mask_k = offs_k < h_out - k * NEXT_BLOCK_K
-        y_tile = tl.load(y_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a_mask = mask_r[:, None] & mask_k[None, :]
-        if DOT_IN_FP32:
-            y_tile = y_tile.to(tl.float32)
-        a_tile = tl.load(a0_ptr + a_offs, mask=a_mask, other=0.0)
-        if DOT_IN_FP32:
-            a_tile = a_tile.to(tl.float32)
-        acc0 = tl.dot(y_tile, tl.trans(a_tile), acc0, input_precision=DOT_PRECISION)
-        if NUM_NEXT > 1:
-            a_tile = tl.load(a1_ptr + a_offs, mask=a_mask, other=0.0)
-            if DOT_IN_FP32:
-                a_tile = a_tile.to(tl.float32)
-            acc1 = tl.dot(y_tile, tl.trans(a_tile), acc1, input_precision=DOT_PRECISION)
-        if NUM_NEXT > 2:
-            a_tile = tl.load(a2_ptr + a_offs, mask=a_mask, other=0.0)
-            if DOT_IN_FP32:
-                a_tile = a_tile.to(tl.float32)
-            acc2 = tl.dot(y_tile, tl.trans(a_tile), acc2, input_precision=DOT_PRECISION)
-        y_ptrs += NEXT_BLOCK_K
-        a_offs += NEXT_BLOCK_K
-    # stored as sgmv_shrink stores them
-    u_offs = rows * stride_u_t + offs_r[None, :]
-    u_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
-    tl.store(u0_ptr + u_offs, acc0.to(u0_ptr.dtype.element_ty), mask=u_mask)
-    if NUM_NEXT > 1:
-        tl.store(u1_ptr + u_offs, acc1.to(u1_ptr.dtype.element_ty), mask=u_mask)
-    if NUM_NEXT > 2:
-        tl.store(u2_ptr + u_offs, acc2.to(u2_ptr.dtype.element_ty), mask=u_mask)
-
-
-@triton.jit
 def _sgmv_expand_kernel(
     # pointers
     v_ptr,  # [T, >= R_max], unit stride on R
@@ -209,12 +134,6 @@ def _sgmv_expand_kernel(
     ln_w_ptr,  # [H_out] layer norm weight (unused unless LAYER_NORM)
     ln_b_ptr,  # [H_out] layer norm bias (unused unless LAYER_NORM)
     tiles_ptr,  # int32 [1 + 3 * tile_cap]: num_tiles, then (slot, start, end) per tile (meta.py)
-    a0_ptr,  # the next linears' A [num_slots, R_max, H_out] (unused past NUM_NEXT)
-    a1_ptr,
-    a2_ptr,
-    u0_ptr,  # their shrink outputs [T, >= R_max], written (unused past NUM_NEXT)
-    u1_ptr,
-    u2_ptr,
     # sizes
     h_out,
     rank_cap,  # min(R_max, meta.max_rank): rank columns at or past it are never read
@@ -226,9 +145,6 @@ def _sgmv_expand_kernel(
     stride_b_h,
     stride_y_t,
     stride_res_t,
-    stride_a_slot,  # of a0..a2 (one layout)
-    stride_a_r,
-    stride_u_t,  # of u0..u2
     # meta-parameters
     BLOCK_M: tl.constexpr,  # tokens per tile; must match the tiles passed in
     BLOCK_N: tl.constexpr,  # output columns per block
@@ -241,7 +157,6 @@ def _sgmv_expand_kernel(
     HAS_RESIDUAL: tl.constexpr,  # y = round(round(y + update) + residual); accumulate mode
     GELU: tl.constexpr,  # y = round(gelu(round(y + update))), exact erf GELU; accumulate mode
     LAYER_NORM: tl.constexpr,  # then y = round(layer_norm(row)); BLOCK_N spans the row
-    NUM_NEXT: tl.constexpr,  # 0-3: then u_j = y_row @ A_j[slot]ᵀ (one program spans the row)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights, else "tf32" (ignored for 16-bit)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the CPU interpreter multiplies bf16 as raw bits
 ):
@@ -284,12 +199,6 @@ def _sgmv_expand_kernel(
                     stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
                     EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, False, DOT_PRECISION, DOT_IN_FP32,
                 )  # fmt: skip
-        if NUM_NEXT > 0:  # this program holds whole rows: the next linears' shrinks of them
-            _next_shrinks(
-                rows, mask_m, slot, offs_r, mask_r, rank_cap, y_ptr, a0_ptr, a1_ptr, a2_ptr, u0_ptr, u1_ptr, u2_ptr,
-                h_out, y_offset, stride_y_t, stride_a_slot, stride_a_r, stride_u_t,
-                BLOCK_M, BLOCK_R, NUM_NEXT, DOT_PRECISION, DOT_IN_FP32,
-            )  # fmt: skip
 
 
 def sgmv_expand(
@@ -306,7 +215,6 @@ def sgmv_expand(
     residual: torch.Tensor | None = None,  # [T, H_out], y's dtype; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
     layer_norm: tuple | None = None,  # (weight [H_out], bias [H_out], eps): then torch's layer_norm
-    next_shrinks: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),  # up to 3 (lora_a, u): see below
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0, r = rank(s):
@@ -320,11 +228,6 @@ def sgmv_expand(
         ``gelu`` it goes through the exact GELU (rounded first too); see the module docstring.
         With ``layer_norm`` the row (rounded) is then normalised over its H_out columns in fp32 and
         rounded: torch's layer_norm of the stored row (biased variance, ``eps`` inside the root).
-        Then, for each (lora_a [num_slots, R_max, H_out], u [T, >= R_max]) of ``next_shrinks``:
-            u[t, :r] = y[t, y_offset : y_offset + H_out] @ lora_a[s, :r, :]ᵀ     (the stored row)
-        which is sgmv_shrink of the next linears that read y, from the row while it is in
-        registers instead of another read of y (one program then spans the row: N_PER_PROG is
-        raised to H_out).
     Mutates y in place and returns it. Every adapter's rank must be <= meta.max_rank when
     that is set. v and y may be strided views with unit stride on their last axis.
     """
@@ -374,29 +277,14 @@ def sgmv_expand(
         ln_weight, ln_bias, eps = layer_norm
         assert ln_weight.shape == ln_bias.shape == (h_out,), f"layer_norm weight and bias must be [H_out={h_out}]"
         assert ln_weight.stride(0) == ln_bias.stride(0) == 1, "layer_norm weight and bias must be contiguous"
-    assert len(next_shrinks) <= 3, "at most three next shrinks"
-    for lora_a, u in next_shrinks:
-        assert lora_a.shape == (num_slots, r_max, h_out) and lora_a.dtype == y.dtype, (
-            f"a next lora_a must be [{num_slots}, {r_max}, H_out={h_out}] of {y.dtype}"
-        )
-        assert lora_a.stride() == next_shrinks[0][0].stride() and lora_a.stride(2) == 1, "one A layout"
-        assert u.dim() == 2 and u.shape[0] == num_tokens and u.shape[1] >= r_max and u.stride(1) == 1, (
-            f"a next u must be [T={num_tokens}, >= {r_max}] with unit stride on R"
-        )
-        assert u.dtype == next_shrinks[0][1].dtype in (torch.float32, y.dtype), "u: fp32 or y's dtype"
-        assert u.stride(0) == next_shrinks[0][1].stride(0), "one u layout"
-        assert lora_a.device == u.device == y.device, "next shrinks on y's device"
     if config is None and layer_norm is not None:  # one block spans the row
         config = dict(LAYER_NORM_CONFIG, BLOCK_N=triton.next_power_of_2(h_out))
     elif config is None:
         config = get_config("sgmv_expand", y.device, num_tokens, h_out, block_r, y.element_size())
     block_n = config["BLOCK_N"]
     n_per_prog = config.get("N_PER_PROG", block_n)
-    if next_shrinks:  # one program walks the whole row
-        n_per_prog = max(n_per_prog, -(-h_out // block_n) * block_n)
     assert n_per_prog % block_n == 0, f"N_PER_PROG {n_per_prog} is not a multiple of BLOCK_N {block_n}"
     assert layer_norm is None or n_per_prog == block_n >= h_out, "with layer_norm one block spans the row"
-    nexts = list(next_shrinks) + [(lora_b, y)] * (3 - len(next_shrinks))  # any pointers past NUM_NEXT
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound, -(-h_out // n_per_prog))
     _sgmv_expand_kernel[grid](
@@ -410,8 +298,6 @@ def sgmv_expand(
         y if layer_norm is None else layer_norm[0],  # any pointers when LAYER_NORM is off
         y if layer_norm is None else layer_norm[1],
         tiles.packed,
-        *(a for a, _ in nexts),
-        *(u for _, u in nexts),
         h_out,
         rank_cap,
         y_offset,
@@ -421,9 +307,6 @@ def sgmv_expand(
         lora_b.stride(1),
         y.stride(0),
         0 if residual is None else residual.stride(0),
-        nexts[0][0].stride(0),
-        nexts[0][0].stride(1),
-        nexts[0][1].stride(0),
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=block_n,
         N_PER_PROG=n_per_prog,
@@ -435,7 +318,6 @@ def sgmv_expand(
         HAS_RESIDUAL=residual is not None,
         GELU=gelu,
         LAYER_NORM=layer_norm is not None,
-        NUM_NEXT=len(next_shrinks),
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=y.device.type == "cpu",
         num_warps=config["num_warps"],

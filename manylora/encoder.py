@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Optional
@@ -87,23 +86,18 @@ class AdapterLinear(nn.Module):
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
         norm: Optional[tuple] = None,
-        then: Sequence[str] = (),
     ) -> torch.Tensor:
         """``x Wᵀ + b`` with each token's LoRA update, then ``+ residual``, the exact GELU and / or
         the layer norm ``norm`` (weight, bias, eps) (DeBERTa's next elementwise passes): inside the
         LoRA expand where the batch allows it (``LoraBatch.fuses_epilogue``), else as torch's own
-        add, gelu and layer_norm. ``then``: the linears that read the result next; the fused
-        expand also computes their LoRA shrinks (``LoraBatch.apply``)."""
+        add, gelu and layer_norm."""
         fused = residual is not None or gelu or norm is not None
         if lora is not None and fused and x.dim() == 2 and lora.fuses_epilogue(self.name):
             y = F.linear(x, self.weight, self.bias)
             # y = norm(gelu(y + update [+ residual])); the norm's block spans the row, so up to a width
             wide = norm is not None and self.out_features > kernels.LAYER_NORM_MAX_WIDTH
-            if wide:
-                lora.apply(self.name, x, y, residual=residual, gelu=gelu)
-                return F.layer_norm(y, (y.shape[-1],), *norm)
-            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=norm, then=then)
-            return y
+            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=None if wide else norm)
+            return F.layer_norm(y, (y.shape[-1],), *norm) if wide else y
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
             lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
@@ -281,7 +275,6 @@ class EncoderLayer(nn.Module):
         lora: Optional["LoraBatch"],
         backend: str,
         kv_len: Optional[torch.Tensor] = None,  # int32 [B]: set, the attention runs in kernels/disattn.py
-        then: Sequence[str] = (),  # the linears that read this layer's output (the next layer's q, k, v)
     ) -> torch.Tensor:
         g = self.geometry
         batch, length, hidden = x.shape
@@ -308,15 +301,12 @@ class EncoderLayer(nn.Module):
             ctx = _eager_attention(q_flat, k_flat, v_flat, c2p, p2c, rel_index, key_bias, inv_scale, heads, backend)
 
         # the residual adds and layer norms, and the activation, may ride in the LoRA expands
-        # (and the next linears' LoRA shrinks, from the rows they hold)
-        attn = self.attn_out(
-            ctx, lora, residual=flat, norm=(*self.attn_norm, g.layer_norm_eps), then=[self.ffn_in.name]
-        )
+        attn = self.attn_out(ctx, lora, residual=flat, norm=(*self.attn_norm, g.layer_norm_eps))
         if self.exact_gelu:
-            inter = self.ffn_in(attn, lora, gelu=True, then=[self.ffn_out.name])
+            inter = self.ffn_in(attn, lora, gelu=True)
         else:
             inter = self.act(self.ffn_in(attn, lora))
-        out = self.ffn_out(inter, lora, residual=attn, norm=(*self.ffn_norm, g.layer_norm_eps), then=then)
+        out = self.ffn_out(inter, lora, residual=attn, norm=(*self.ffn_norm, g.layer_norm_eps))
         return out.view(batch, length, hidden)
 
 
@@ -382,9 +372,6 @@ class Encoder(nn.Module):
         # DeBERTa's residual adds and GELU inside the LoRA expand when every row has an adapter
         # (the engine's fused_lora_epilogue; LoraBatch.fuses_epilogue)
         self.lora_fuse_epilogue = False
-        # which fused expands also compute the next linears' shrinks (LoraBatch.apply's ``then``):
-        # "all", "norm" (the layer-norm ones only: not FFN in's GELU) or "off"; an A/B knob
-        self.lora_next_shrinks = "all"
         # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
         self.position_modules = [
             name
@@ -423,9 +410,7 @@ class Encoder(nn.Module):
             for i, layer in enumerate(self.layers):
                 pos_q = self.pos_q[i, lo : hi + 1]
                 pos_k = self.pos_k[i, lo : hi + 1]
-                after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                then = () if after is None else (after.query.name, after.key.name, after.value.name)
-                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend, kv_len, then)
+                x = layer(x, key_bias, window, pos_q, pos_k, rel_index, lora, backend, kv_len)
         return x
 
 

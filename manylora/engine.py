@@ -460,7 +460,6 @@ class Engine:
                 self.config.backend,
                 self.encoder.lora_write_first,
                 self.encoder.lora_fuse_epilogue,
-                self.encoder.lora_next_shrinks,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

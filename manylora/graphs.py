@@ -148,7 +148,6 @@ class StaticLoraBatch(LoraBatch):
         self.group_has_adapter = self._slots[2]
         self.row_group = torch.arange(rows, dtype=torch.int32, device=device)
         self._scratch: dict = {}
-        self._ready: dict = {}
         self._positions: dict = {}
         self._positions_window = None
         self.meta: Optional[SgmvMeta] = None
@@ -178,7 +177,6 @@ class StaticLoraBatch(LoraBatch):
     def forget_scratch(self) -> None:
         """Drop the warm-up's temporaries, so that the capture allocates its own in the graph pool."""
         self._scratch = {}
-        self._ready = {}
         self._positions = {}
         self._positions_window = None
 
@@ -228,8 +226,7 @@ class EncoderGraphs:
         fused = bool(self.encoder.fused_attention)
         if not targets:
             return (bucket, padded, None, 0, fused, False)
-        # False, or the encoder's lora_next_shrinks (a non-empty string) where the epilogue is fused
-        epilogue = bool(covered and self.encoder.lora_fuse_epilogue) and self.encoder.lora_next_shrinks
+        epilogue = bool(covered and self.encoder.lora_fuse_epilogue)
         return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank), fused, epilogue)
 
     def padded_tokens(self, rows: int, length: int) -> int:
@@ -320,9 +317,8 @@ class EncoderGraphs:
             # with and without base rows; at these sizes the saved pass over y is not measurable
             backend = self.encoder.backend or "triton"
             lora = StaticLoraBatch(
-                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, bool(epilogue)
+                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue
             )
-            lora.next_shrinks = epilogue or "off"
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:
             self._fill(graph, input_ids, attention_mask, slot_per_row)

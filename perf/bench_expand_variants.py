@@ -3,7 +3,6 @@
 followed by torch's layer_norm, at several token counts, on one GPU.
 
     python perf/bench_expand_variants.py [--sizes 8192 16384 32768 61440] [--row-len 120] [--out FILE]
-    python perf/bench_expand_variants.py --next-shrinks [--sizes ...]    (session 21)
 
 Why: inside the 1,024-adapter forward the expands took 1.6-2.4x their bytes' floor (session 17,
 perf/README.md), and a program that took one [BLOCK_M, BLOCK_N] tile paid the tile's metadata and
@@ -29,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lora_calls import device_us  # noqa: E402  (CUDA events, L2 flushed before each run)
-from manylora.kernels.launch_config import get_config  # noqa: E402
 
 # the product kernel's own column walk (kernels/sgmv_expand.py, N_PER_PROG), per token count
 PRODUCT_CONFIGS = [
@@ -150,68 +148,13 @@ def sizes_main(args) -> int:
     return 0
 
 
-def next_shrinks_main(args) -> int:
-    """The epilogue expands with the next linears' shrinks inside (``next_shrinks``: the layer norms
-    with one next linear (FFN in) and three (the next layer's query, key, value), the GELU with
-    one (FFN out), whose program then walks the whole 3,072-wide row) against the same expand
-    followed by sgmv_shrink of its output per next linear; and the GELU expand alone with the
-    whole-row walk against its table config. Each fused u is checked against the split one."""
-    from manylora.kernels.sgmv_expand import sgmv_expand
-    from manylora.kernels.sgmv_shrink import sgmv_shrink
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results, lines = [], []
-    for case, count in (("layernorm", 1), ("layernorm", 3), ("gelu", 1), ("gelu", 0)):
-        for tokens in args.sizes:
-            v, lora_b, scales, meta, y0, kw = make_case(case, tokens, args.row_len, args.slots, args.rank, gen)
-            t, width = y0.shape
-            y = y0.clone()
-            nexts = [
-                ((torch.randn(args.slots, args.rank, width, device="cuda", generator=gen) * width**-0.5).to(y.dtype),
-                 torch.empty(t, args.rank, device="cuda"))
-                for _ in range(count)
-            ]  # fmt: skip
-            splits = [(a, torch.empty_like(u)) for a, u in nexts]
-
-            def split():
-                sgmv_expand(v, lora_b, scales, meta, y, **kw)
-                for a, u in splits:
-                    sgmv_shrink(y, a, meta, u)
-
-            if count:
-                fused = lambda: sgmv_expand(v, lora_b, scales, meta, y, next_shrinks=nexts, **kw)  # noqa: E731
-            else:  # the whole-row walk alone
-                cfg = dict(get_config("sgmv_expand", y.device, t, width, 16, 2), N_PER_PROG=width)
-                fused = lambda: sgmv_expand(v, lora_b, scales, meta, y, config=cfg, **kw)  # noqa: E731
-            y.copy_(y0)
-            split()
-            y.copy_(y0)
-            fused()
-            worst = max([float((u - w).abs().max() / w.abs().max()) for (_, u), (_, w) in zip(nexts, splits)] or [0.0])
-            row = {"case": case, "next": count, "tokens": t, "split_us": device_us(split, args.reps, flush)}
-            row.update(fused_us=device_us(fused, args.reps, flush), worst_relative=worst)
-            results.append(row)
-            label = f"{case}+{count} next" if count else f"{case} whole-row walk"
-            lines.append(
-                f"{label:18} {t:6}  split {row['split_us']:7.1f}  fused {row['fused_us']:7.1f}  "
-                f"({row['fused_us'] / row['split_us']:.2f}x; u worst {worst:.1e})"
-            )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print(f"rows of {args.row_len} tokens, each its own adapter of {args.slots} slots, rank {args.rank}; device µs")
-    print("\n".join(lines))
-    return 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     size_arguments(p, "perf/results/expand-sizes.json")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--next-shrinks", action="store_true", help="the epilogues with the next linears' shrinks inside")
     args = p.parse_args(argv)
     assert torch.cuda.is_available(), "a GPU measurement"
-    return next_shrinks_main(args) if args.next_shrinks else sizes_main(args)
+    return sizes_main(args)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--ab",
         default="chunk_pipeline,count_gate,fused_span_scores,fused_attention,fused_lora_epilogue",
-        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; next_shrinks: all against off and norm)",
+        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs)",
     )
     p.add_argument(
         "--chunk-costs",
@@ -158,36 +158,6 @@ def main(argv=None) -> int:
         ab_lines.append(
             interleaved_ab("fused_lora_epilogue", engine, items, sync, args.repeats, set_epilogue, epilogue)
         )
-
-    def set_next_shrinks(mode) -> None:  # its own graphs (the mode is in their key)
-        engine.encoder.lora_next_shrinks = mode
-
-    if names and "next_shrinks" in ab:  # the next linears' shrinks inside the fused expands: off, norm, all
-        mode = engine.encoder.lora_next_shrinks
-        for other in ("off", "norm"):
-            set_next_shrinks(other)  # the first run (graph captures) is not timed
-            answers = engine.run_core(items)
-            set_next_shrinks(mode)
-            ab_lines.append(
-                f"next_shrinks {mode} vs {other}, same rows: " + compare_rows(engine.run_core(items), answers)
-            )
-            ab_lines.append(
-                interleaved_ab(
-                    f"next_shrinks {mode} vs {other}",
-                    engine,
-                    items,
-                    sync,
-                    args.repeats,
-                    lambda on, o=other: set_next_shrinks(mode if on else o),
-                    True,
-                )
-            )
-        for arm in ("off", "norm", mode) if device.startswith("cuda") else ():  # the GPU's own time per arm
-            set_next_shrinks(arm)
-            kernel_ms, table = gpu_kernel_ms(lambda: engine.run_core(items), sync)
-            (args.out / f"core-kernels-next-{arm}.txt").write_text(table)
-            ab_lines.append(f"next_shrinks {arm}: GPU kernel time {kernel_ms:.2f} ms")
-        set_next_shrinks(mode)
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)

@@ -44,7 +44,6 @@ class LoraBatch:
         backend: str,
         write_first: bool = True,
         fuse_epilogue: bool = False,
-        next_shrinks: str = "all",
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -57,7 +56,6 @@ class LoraBatch:
         # every row has an adapter: the expand can also do the layer's next elementwise pass (see
         # fuses_epilogue); rows of slot -1 get no SGMV tile, so no epilogue either
         self.fuse_epilogue = fuse_epilogue and len(used) == len(slot_per_row) > 0
-        self.next_shrinks = next_shrinks  # see apply's ``then``: "all", "norm" or "off"
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -72,7 +70,6 @@ class LoraBatch:
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
-        self._ready: dict = {}  # name -> (x, v): an earlier expand's shrink of x for that linear
         self._positions: dict[str, PositionLora] = {}  # prepare_positions' factors, for one window
         self._positions_window: Optional[torch.Tensor] = None
 
@@ -110,31 +107,15 @@ class LoraBatch:
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
         layer_norm: Optional[tuple] = None,
-        then: Sequence[str] = (),
     ) -> None:
         """y += each token's scale * (x A^T) B^T for its row's adapter (in place); with
         ``accumulate=False``, y = bias + that update (y is not read). ``residual`` / ``gelu`` /
         ``layer_norm`` (weight, bias, eps): then + residual, the exact GELU and / or the layer
-        norm, rounded as torch's own passes (only where ``fuses_epilogue``).
-
-        ``then``: the linears that read the result y next (at most 3). Where the expand carries an
-        epilogue (one program then holds the whole row), it also computes their shrinks of y, and
-        their ``apply`` on this y skips its own read of it: for GLiNER2-base per layer, 5 of the 6
-        shrinks (all but the first layer's query, key and value)."""
+        norm, rounded as torch's own passes (only where ``fuses_epilogue``)."""
         if name not in self.targets:
             return
         store = self.store
-        ready = self._ready.pop(name, None)
-        shrunk = ready is not None and ready[0].data_ptr() == x.data_ptr() and ready[0].shape[0] == x.shape[0]
-        v = ready[1] if shrunk else self._v(x)
-        # y is final only when accumulated; "norm": only the layer-norm expands take them (an A/B)
-        wanted = accumulate and (self.next_shrinks == "all" or self.next_shrinks == "norm" and layer_norm is not None)
-        nexts = [n for n in then if n in self.targets] if wanted else []
-        next_shrinks = []
-        for n in nexts:
-            u = torch.empty(y.shape[0], store.max_rank, dtype=torch.float32, device=y.device)
-            next_shrinks.append((store.a[n], u))
-            self._ready[n] = (y, u)  # y is held, so no other tensor takes its address meanwhile
+        v = self._v(x)
         kernels.lora_apply(
             x,
             y,
@@ -150,8 +131,6 @@ class LoraBatch:
             residual=residual,
             gelu=gelu,
             layer_norm=layer_norm,
-            next_shrinks=next_shrinks,
-            shrunk=shrunk,
         )
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,
