@@ -61,6 +61,7 @@ __all__ = [
     "sgmv_expand_ref",
     "sgmv_shrink_ref",
     "shrink",
+    "shrink_group",
     "span_scores",
     "span_scores_ref",
 ]
@@ -90,6 +91,25 @@ def shrink(
     from .sgmv_shrink import sgmv_shrink
 
     return sgmv_shrink(x, lora_a, meta, v, ranks)
+
+
+def shrink_group(
+    x: torch.Tensor,  # [T, H_in]
+    lora_as,  # 1-3 of [num_slots, R_max, H_in], one shape and layout
+    meta: SgmvMeta,
+    vs,  # as many [T, >= R_max], written in place
+    ranks: torch.Tensor | None = None,
+    backend: str = "triton",
+) -> None:
+    """shrink(x, lora_as[i], meta, vs[i]) for each i, reading x once (sgmv_shrink_group)."""
+    _check_backend(backend)
+    if backend == "torch":
+        for lora_a, v in zip(lora_as, vs):
+            sgmv_shrink_ref(x, lora_a, meta, v, ranks)
+        return
+    from .sgmv_shrink import sgmv_shrink_group
+
+    sgmv_shrink_group(x, lora_as, meta, vs, ranks)
 
 
 def expand(
@@ -149,6 +169,7 @@ def lora_apply(
     residual: torch.Tensor | None = None,  # [T, H_out]; added after the update (accumulate)
     gelu: bool = False,  # exact GELU of the updated row (accumulate)
     layer_norm: tuple | None = None,  # (weight, bias, eps): then torch's layer_norm of the row
+    shrunk: bool = False,  # v already holds shrink(x, lora_a) (shrink_group ran for this linear)
 ) -> torch.Tensor:
     """Semantics:
         for each token t with slot s = slot(t) >= 0:
@@ -159,7 +180,8 @@ def lora_apply(
     """
     if v is None:
         v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    shrink(x, lora_a, meta, v, ranks, backend)
+    if not shrunk:
+        shrink(x, lora_a, meta, v, ranks, backend)
     return expand(v, lora_b, scales, meta, y, ranks, y_offset, backend, accumulate, bias, residual, gelu, layer_norm)
 
 

@@ -280,6 +280,8 @@ class EncoderLayer(nn.Module):
         batch, length, hidden = x.shape
         heads, dh = g.num_heads, g.head_size
         flat = x.reshape(batch * length, hidden)
+        if lora is not None:  # their LoRA shrinks in one pass over x (LoraBatch.group_shrinks)
+            lora.shrink_together((self.query.name, self.key.name, self.value.name), flat)
         q_flat = self.query(flat, lora)
         k_flat = self.key(flat, lora)
         v_flat = self.value(flat, lora)
@@ -372,6 +374,9 @@ class Encoder(nn.Module):
         # DeBERTa's residual adds and GELU inside the LoRA expand when every row has an adapter
         # (the engine's fused_lora_epilogue; LoraBatch.fuses_epilogue)
         self.lora_fuse_epilogue = False
+        # a layer's query, key and value LoRA shrinks in one pass over its input (LoraBatch.
+        # shrink_together); off only for the A/B (perf/profile_core.py --ab group_shrinks)
+        self.lora_group_shrinks = True
         # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
         self.position_modules = [
             name

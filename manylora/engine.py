@@ -460,6 +460,7 @@ class Engine:
                 self.config.backend,
                 self.encoder.lora_write_first,
                 self.encoder.lora_fuse_epilogue,
+                self.encoder.lora_group_shrinks,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

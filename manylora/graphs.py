@@ -132,12 +132,14 @@ class StaticLoraBatch(LoraBatch):
         write_first: bool,
         max_rank: int,
         fuse_epilogue: bool = False,
+        group_shrinks: bool = True,
     ):
         self.store = store
         self.backend = backend
         self.targets = set(targets)
         self.write_first = write_first
         self.fuse_epilogue = fuse_epilogue  # fixed at capture: the key says every row has an adapter
+        self.group_shrinks = group_shrinks  # fixed at capture too (the key holds it)
         self.builder = meta_builder
         self.rows, self.row_len, self.max_rank = rows, row_len, max_rank
         device = store.device
@@ -148,6 +150,7 @@ class StaticLoraBatch(LoraBatch):
         self.group_has_adapter = self._slots[2]
         self.row_group = torch.arange(rows, dtype=torch.int32, device=device)
         self._scratch: dict = {}
+        self._ready: dict = {}
         self._positions: dict = {}
         self._positions_window = None
         self.meta: Optional[SgmvMeta] = None
@@ -177,6 +180,7 @@ class StaticLoraBatch(LoraBatch):
     def forget_scratch(self) -> None:
         """Drop the warm-up's temporaries, so that the capture allocates its own in the graph pool."""
         self._scratch = {}
+        self._ready = {}
         self._positions = {}
         self._positions_window = None
 
@@ -214,7 +218,7 @@ class EncoderGraphs:
 
     def key(self, rows: int, length: int, targets, max_rank: Optional[int], covered: bool = False) -> Optional[tuple]:
         """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention, fused
-        LoRA epilogue); None: no graph for this shape. The encoder's ``fused_attention`` is in the
+        LoRA epilogue, grouped shrinks); None: no graph for this shape. The encoder's ``fused_attention`` is in the
         key, so that turning it on or off (an A/B on one engine) replays graphs of its own
         attention; so is the LoRA epilogue (``LoraBatch.fuses_epilogue``), on when the encoder's
         ``lora_fuse_epilogue`` is and every row has an adapter (``covered``): a padding row takes
@@ -225,9 +229,11 @@ class EncoderGraphs:
         bucket, padded = shape
         fused = bool(self.encoder.fused_attention)
         if not targets:
-            return (bucket, padded, None, 0, fused, False)
+            return (bucket, padded, None, 0, fused, False, False)
         epilogue = bool(covered and self.encoder.lora_fuse_epilogue)
-        return (bucket, padded, frozenset(targets), rank_block(max_rank or self.store.max_rank), fused, epilogue)
+        grouped = bool(self.encoder.lora_group_shrinks)
+        rank_tile = rank_block(max_rank or self.store.max_rank)
+        return (bucket, padded, frozenset(targets), rank_tile, fused, epilogue, grouped)
 
     def padded_tokens(self, rows: int, length: int) -> int:
         """Tokens the encoder computes for ``rows`` x ``length``: a graph's padded shape, else that."""
@@ -309,7 +315,7 @@ class EncoderGraphs:
         return flat
 
     def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
-        rows, length, targets, rank_tile, _, epilogue = key
+        rows, length, targets, rank_tile, _, epilogue, grouped = key
         started = time.perf_counter()
         lora = None
         if targets is not None:
@@ -317,7 +323,7 @@ class EncoderGraphs:
             # with and without base rows; at these sizes the saved pass over y is not measurable
             backend = self.encoder.backend or "triton"
             lora = StaticLoraBatch(
-                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue
+                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue, grouped
             )
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:

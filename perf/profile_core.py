@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--ab",
         default="chunk_pipeline,count_gate,fused_span_scores,fused_attention,fused_lora_epilogue",
-        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs)",
+        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; group_shrinks: the q, k, v shrinks grouped or not)",
     )
     p.add_argument(
         "--chunk-costs",
@@ -158,6 +158,23 @@ def main(argv=None) -> int:
         ab_lines.append(
             interleaved_ab("fused_lora_epilogue", engine, items, sync, args.repeats, set_epilogue, epilogue)
         )
+
+    def set_group_shrinks(on: bool) -> None:  # its own graphs (the flag is in their key)
+        engine.encoder.lora_group_shrinks = on
+
+    if names and "group_shrinks" in ab:  # a layer's q, k, v shrinks in one pass over x
+        grouped = engine.encoder.lora_group_shrinks
+        set_group_shrinks(False)  # the first run with each (graph captures) is not timed
+        separate = engine.run_core(items)
+        set_group_shrinks(True)
+        ab_lines.append("group_shrinks on vs off, same rows: " + compare_rows(engine.run_core(items), separate))
+        ab_lines.append(interleaved_ab("group_shrinks", engine, items, sync, args.repeats, set_group_shrinks, grouped))
+        for on in (False, True) if device.startswith("cuda") else ():  # the GPU's own time per arm
+            set_group_shrinks(on)
+            kernel_ms, table = gpu_kernel_ms(lambda: engine.run_core(items), sync)
+            (args.out / f"core-kernels-group-shrinks-{'on' if on else 'off'}.txt").write_text(table)
+            ab_lines.append(f"group_shrinks {'on' if on else 'off'}: GPU kernel time {kernel_ms:.2f} ms")
+        set_group_shrinks(grouped)
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)

@@ -44,6 +44,7 @@ class LoraBatch:
         backend: str,
         write_first: bool = True,
         fuse_epilogue: bool = False,
+        group_shrinks: bool = True,
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -56,6 +57,7 @@ class LoraBatch:
         # every row has an adapter: the expand can also do the layer's next elementwise pass (see
         # fuses_epilogue); rows of slot -1 get no SGMV tile, so no epilogue either
         self.fuse_epilogue = fuse_epilogue and len(used) == len(slot_per_row) > 0
+        self.group_shrinks = group_shrinks  # see shrink_together
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -70,6 +72,7 @@ class LoraBatch:
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
+        self._ready: dict = {}  # name -> (x, v): shrink_together's v of that linear for that x
         self._positions: dict[str, PositionLora] = {}  # prepare_positions' factors, for one window
         self._positions_window: Optional[torch.Tensor] = None
 
@@ -115,7 +118,9 @@ class LoraBatch:
         if name not in self.targets:
             return
         store = self.store
-        v = self._v(x)
+        ready = self._ready.pop(name, None)
+        shrunk = ready is not None and ready[0].data_ptr() == x.data_ptr() and ready[0].shape == x.shape
+        v = ready[1] if shrunk else self._v(x)
         kernels.lora_apply(
             x,
             y,
@@ -131,7 +136,25 @@ class LoraBatch:
             residual=residual,
             gelu=gelu,
             layer_norm=layer_norm,
+            shrunk=shrunk,
         )
+
+    def shrink_together(self, names: Sequence[str], x: torch.Tensor) -> None:
+        """The shrinks of the linears ``names`` that read the same ``x`` next (a layer's query, key
+        and value) in one pass over x (``kernels.shrink_group``); their ``apply`` on this x then
+        skips its own. Fewer than two of them adapted: nothing (each shrinks as usual)."""
+        names = [n for n in names if n in self.targets]
+        if not self.group_shrinks or len(names) < 2 or x.dim() != 2:
+            return
+        store = self.store
+        # one [T, k * R_max] buffer, freed once the last of them is applied (so a graph capture
+        # gives the memory back to its pool); each linear's v is a column slice of it
+        r_max = store.max_rank
+        v = torch.empty(x.shape[0], len(names) * r_max, dtype=torch.float32, device=x.device)
+        vs = [v[:, i * r_max : (i + 1) * r_max] for i in range(len(names))]
+        kernels.shrink_group(x, [store.a[n] for n in names], self.meta, vs, store.ranks, self.backend)
+        for n, part in zip(names, vs):
+            self._ready[n] = (x, part)  # x is held, so no other tensor takes its address meanwhile
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,
     # its float32 copy and the float32 GEMM output: ~0.2 GB at this size for GLiNER2-base)

@@ -129,3 +129,31 @@ def test_every_config(device, config):
     gen = torch.Generator().manual_seed(8)
     slots = make_slot_per_token("skewed", 300 if device == "cuda" else 70, NUM_SLOTS, True, gen)
     run_and_check(device, slots, 200, 16, torch.bfloat16, config=config)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("h_in", [96, 100], ids=["even_k", "odd_k"])
+def test_group_equals_the_separate_shrinks(device, count, h_in):
+    """sgmv_shrink_group (a layer's q, k, v shrinks in one pass over x) writes each v exactly as its
+    own sgmv_shrink does (the same dots in the same order), into column slices of one buffer, with
+    mixed ranks (A's padding is NaN), and leaves the rows of slot -1 untouched; against the float32
+    reference too."""
+    from manylora.kernels.sgmv_shrink import sgmv_shrink_group
+
+    gen = torch.Generator().manual_seed(9)
+    ranks = torch.randint(1, 17, (NUM_SLOTS,), generator=gen, dtype=torch.int32).to(device)
+    slots = make_slot_per_token("uniform", 300 if device == "cuda" else 90, NUM_SLOTS, True, gen)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device, max_rank=16)
+    x = torch.randn(len(slots), h_in, generator=gen).to(device, torch.bfloat16)
+    lora_as = [make_lora(NUM_SLOTS, 16, h_in, 8, torch.bfloat16, device, gen, ranks.cpu())[0] for _ in range(count)]
+    grouped = torch.full((len(slots), count * 16), 5.0, device=device)
+    vs = [grouped[:, i * 16 : (i + 1) * 16] for i in range(count)]
+    sgmv_shrink_group(x, lora_as, meta, vs, ranks)
+    base_rows = torch.tensor(slots, device=device) < 0
+    for lora_a, got in zip(lora_as, vs):
+        alone = sgmv_shrink(x, lora_a, meta, torch.full((len(slots), 16), 5.0, device=device), ranks)
+        assert torch.equal(got, alone), "the grouped pass gives the single shrink's bits"
+        want = sgmv_shrink_ref(x, lora_a, meta, torch.full((len(slots), 16), 5.0, device=device), ranks)
+        assert_close(got[~base_rows], want[~base_rows], torch.bfloat16)
+        assert torch.all(got[base_rows] == 5.0), "rows of slot -1 must stay untouched"
+        assert got[~base_rows].abs().max() > 0.5

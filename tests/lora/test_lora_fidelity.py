@@ -317,3 +317,52 @@ def test_position_factors_prepared_at_once_equal_one_module_at_a_time(tiny_check
         monkeypatch.setattr(LoraBatch, "POSITION_CHUNK", 1)  # one module per chunk
         alone_states = engine.forward(list(chunk))[1]
     torch.testing.assert_close(prepared_states, alone_states, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_grouped_qkv_shrinks_equal_the_separate_ones(tiny_checkpoint, demo_adapters, monkeypatch, backend):
+    """A layer's query, key and value shrinks run as one pass over its input (LoraBatch.
+    shrink_together, kernels.shrink_group) and their applies skip their own: bit-identical encoder
+    states and answers to the separate shrinks, one grouped shrink per layer, every q, k, v apply
+    served from it; with the grouping off, none. Mixed batches (an adapter of q and v only, a base
+    row) included."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    import torch
+
+    from manylora import kernels
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
+    engine = Engine(
+        EngineConfig.from_parameters({**values, "dtype": "float32", "kernel_backend": backend}, device=device)
+    )
+    engine.graphs = None  # every forward runs eagerly: a replayed graph would not record its launches
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
+    schema = json.dumps(demo_schemas()[0])
+    texts = demo_texts(len(names), seed=31, min_words=10, max_words=30)
+    requests = [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)]
+    groups, shrunk = [], []
+    group, apply = kernels.shrink_group, kernels.lora_apply
+    monkeypatch.setattr(kernels, "shrink_group", lambda *a, **k: groups.append(len(a[1])) or group(*a, **k))
+    monkeypatch.setattr(kernels, "lora_apply", lambda *a, **k: shrunk.append(k.get("shrunk")) or apply(*a, **k))
+
+    def run(grouped: bool):
+        engine.encoder.lora_group_shrinks = grouped
+        groups.clear()
+        shrunk.clear()
+        with torch.inference_mode():
+            (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
+            states = engine.forward(list(chunk))[1]
+        calls = (list(groups), sum(bool(s) for s in shrunk))
+        return states, engine.run(requests), calls
+
+    grouped, grouped_answers, (group_calls, served) = run(True)
+    separate, separate_answers, (separate_groups, separate_served) = run(False)
+    layers = len(engine.encoder.layers)
+    assert group_calls == [3] * layers, group_calls
+    assert served == 3 * layers
+    assert separate_groups == [] and separate_served == 0
+    assert torch.equal(grouped, separate)
+    diffs = [result_differences(a, b, atol=0) for a, b in zip(grouped_answers, separate_answers)]
+    assert diffs == [[]] * len(requests)
