@@ -70,30 +70,42 @@ def load_table(name: str) -> dict:
 SHARED_MEMORY_LIMIT = 232448
 
 
-def shared_memory_bytes(op: str, config: dict, block_r: int, element_size: int) -> int:
-    """An upper bound of a config's shared memory: num_stages copies of the loop's two operand
-    tiles. What Triton 3.6 allocated on the H200 (session 10; tests/kernels/test_launch_config.py
+def shared_memory_bytes(op: str, config: dict, block_r: int, element_size: int, operands: int = 1) -> int:
+    """An upper bound of a config's shared memory: num_stages copies of the loop's operand tiles.
+    What Triton 3.6 allocated on the H200 (session 10; tests/kernels/test_launch_config.py
     keeps the figures): sgmv_shrink, BLOCK_M 64, BLOCK_K 256, 4 stages: 245,760 bytes in
     float32 with rank tile 16 (3 tiles of 81,920), 262,144 in bfloat16 with rank tile 64 (4
-    tiles of 65,536: OutOfResources); sgmv_expand's did not grow with stages."""
+    tiles of 65,536: OutOfResources); sgmv_expand's did not grow with stages. A shrink of
+    ``operands`` linears at once (sgmv_shrink_group) loads that many A tiles per step: its
+    rank-64 bfloat16 launch with BLOCK_K 256 and 3 stages asked for 393,216 bytes, this bound's
+    figure (session 21)."""
+    assert operands == 1 or op == "sgmv_shrink", "only the shrink takes several operands"
     if op == "sgmv_shrink":
-        tile = config["BLOCK_M"] * config["BLOCK_K"] + config["BLOCK_K"] * block_r
+        tile = config["BLOCK_M"] * config["BLOCK_K"] + operands * config["BLOCK_K"] * block_r
     else:
         tile = config["BLOCK_M"] * block_r + block_r * config["BLOCK_N"]
     return config["num_stages"] * tile * element_size
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int, limit: int) -> tuple:
+def _lookup(
+    table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int, limit: int, operands: int = 1
+) -> tuple:
     entries = load_table(table_name)[op]
     for h, r in ((hidden, block_r), (hidden, "*"), ("*", block_r), ("*", "*")):
         config = entries.get(f"t{bucket}_h{h}_r{r}")
         if config is not None:
             config = dict(config)
+
             # the tables are tuned for 2-byte dtypes and rank tile 16: wider elements and larger
             # rank tiles get fewer stages until the bound fits the GPU
-            while config["num_stages"] > 1 and shared_memory_bytes(op, config, block_r, element_size) > limit:
+            def need() -> int:
+                return shared_memory_bytes(op, config, block_r, element_size, operands)
+
+            while config["num_stages"] > 1 and need() > limit:
                 config["num_stages"] -= 1
+            while operands > 1 and config["BLOCK_K"] > 16 and need() > limit:  # a grouped shrink
+                config["BLOCK_K"] //= 2
             return tuple(sorted(config.items()))
     raise AssertionError(f"unreachable: {table_name} has no t{bucket}_h*_r* for {op}")
 
@@ -108,14 +120,21 @@ def shared_memory_limit(index: Optional[int]) -> int:
 
 
 def get_config(
-    op: str, device: torch.device, num_tokens: int, hidden: int, block_r: int, element_size: int = 2
+    op: str,
+    device: torch.device,
+    num_tokens: int,
+    hidden: int,
+    block_r: int,
+    element_size: int = 2,
+    operands: int = 1,  # sgmv_shrink_group's linears: their A tiles share the shared memory
 ) -> dict:
     """The launch config for one call (cached per bucket; the dict is a fresh copy)."""
     index = None
     if device.type == "cuda":  # one device query per launch at most
         index = device.index if device.index is not None else torch.cuda.current_device()
     table = "default" if index is None else _cuda_table_name(index)
-    return dict(_lookup(table, op, token_bucket(num_tokens), hidden, block_r, element_size, shared_memory_limit(index)))
+    limit = shared_memory_limit(index)
+    return dict(_lookup(table, op, token_bucket(num_tokens), hidden, block_r, element_size, limit, operands))
 
 
 def all_configs(op: str) -> list[dict]:

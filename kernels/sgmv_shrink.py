@@ -148,7 +148,9 @@ def sgmv_shrink_group(
     once: the query, key and value linears of a layer read the same x. The three shrinks read x
     three times; H200, 40,800 tokens of 768 columns, rank 16: 70.3 µs, one pass 31.9-34.6 µs (one
     read of x: 30.1; ``perf/bench_fused_shrink.py``, session 21). The launch config is the single
-    shrink's table entry."""
+    shrink's table entry; where the A tiles would not fit its pipeline in shared memory (a rank
+    tile of 64 in bfloat16 asked for 393,216 bytes on the H200), each linear is shrunk alone.
+    A ``config`` passed in is used as given."""
     assert 1 <= len(lora_as) == len(vs) <= 3, "one to three linears"
     assert x.dim() == 2, "x must be [T, H_in]"
     num_tokens, h_in = x.shape
@@ -181,6 +183,12 @@ def sgmv_shrink_group(
 
     if config is None:
         config = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size())
+        if len(lora_as) > 1:
+            fitted = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size(), len(lora_as))
+            if fitted != config:  # the A tiles do not fit the tuned pipeline (e.g. rank tile 64): the
+                for a, out in zip(lora_as, vs):  # grouped launch is not measured there, the single is
+                    sgmv_shrink_group(x, (a,), meta, (out,), ranks, config)
+                return
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound,)
     extra_a = list(lora_as[1:]) + [lora_a] * (3 - len(lora_as))  # any pointers past NUM_A

@@ -157,3 +157,33 @@ def test_group_equals_the_separate_shrinks(device, count, h_in):
         assert_close(got[~base_rows], want[~base_rows], torch.bfloat16)
         assert torch.all(got[base_rows] == 5.0), "rows of slot -1 must stay untouched"
         assert got[~base_rows].abs().max() > 0.5
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_group_with_a_wide_rank_tile_equals_the_separate_shrinks(device, monkeypatch, fits):
+    """Rank tile 64: where three A tiles do not fit the tuned pipeline (the H200 table's BLOCK_K 256,
+    3 stages: the launch config's grouped entry differs, forced here with ``fits`` False) each
+    linear is shrunk alone, by one-A launches; either way each v is the single shrink's."""
+    from manylora.kernels import sgmv_shrink as module
+
+    lookup, grouped_launches = module.get_config, []
+    if not fits:
+        monkeypatch.setattr(
+            module,
+            "get_config",
+            lambda *a: dict(lookup(*a[:6]), num_stages=1) if len(a) > 6 and a[6] > 1 else lookup(*a),
+        )
+    launch = module._sgmv_shrink_kernel
+    monkeypatch.setattr(module, "_sgmv_shrink_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: lambda *a, **k: grouped_launches.append(k["NUM_A"]) or launch[grid](*a, **k)
+    })())  # fmt: skip
+    gen = torch.Generator().manual_seed(10)
+    slots = make_slot_per_token("uniform", 200 if device == "cuda" else 60, NUM_SLOTS, True, gen)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    x = torch.randn(len(slots), 256, generator=gen).to(device, torch.bfloat16)
+    lora_as = [make_lora(NUM_SLOTS, 64, 256, 8, torch.bfloat16, device, gen)[0] for _ in range(3)]
+    vs = list(torch.zeros(3, len(slots), 64, device=device).unbind(0))
+    module.sgmv_shrink_group(x, lora_as, meta, vs)
+    assert grouped_launches == ([3] if fits else [1, 1, 1])
+    for lora_a, got in zip(lora_as, vs):
+        assert torch.equal(got, sgmv_shrink(x, lora_a, meta, torch.zeros(len(slots), 64, device=device)))
