@@ -28,6 +28,11 @@ import triton.language as tl
 from .launch_config import get_config, rank_block
 from .meta import SgmvMeta
 
+# Largest rank tile at which several linears are shrunk in one launch. Measured at 16 only
+# (session 21); with three [BLOCK_M, BLOCK_R] accumulators a wider tile risks register spills,
+# which made another fused kernel of this session 56x slower (kernels/PERF_NOTES.md).
+GROUP_MAX_RANK_TILE = 16
+
 
 @triton.jit
 def _sgmv_shrink_kernel(
@@ -149,8 +154,8 @@ def sgmv_shrink_group(
     three times; H200, 40,800 tokens of 768 columns, rank 16: 70.3 µs, one pass 31.9-34.6 µs (one
     read of x: 30.1; ``perf/bench_fused_shrink.py``, session 21). The launch config is the single
     shrink's table entry; where the A tiles would not fit its pipeline in shared memory (a rank
-    tile of 64 in bfloat16 asked for 393,216 bytes on the H200), each linear is shrunk alone.
-    A ``config`` passed in is used as given."""
+    tile of 64 in bfloat16 asked for 393,216 bytes on the H200), or the rank tile is above
+    GROUP_MAX_RANK_TILE, each linear is shrunk alone. A ``config`` passed in is used as given."""
     assert 1 <= len(lora_as) == len(vs) <= 3, "one to three linears"
     assert x.dim() == 2, "x must be [T, H_in]"
     num_tokens, h_in = x.shape
@@ -185,8 +190,8 @@ def sgmv_shrink_group(
         config = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size())
         if len(lora_as) > 1:
             fitted = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size(), len(lora_as))
-            if fitted != config:  # the A tiles do not fit the tuned pipeline (e.g. rank tile 64): the
-                for a, out in zip(lora_as, vs):  # grouped launch is not measured there, the single is
+            if block_r > GROUP_MAX_RANK_TILE or fitted != config:  # not measured there: one launch each
+                for a, out in zip(lora_as, vs):
                     sgmv_shrink_group(x, (a,), meta, (out,), ranks, config)
                 return
     tiles = meta.tiles(config["BLOCK_M"])

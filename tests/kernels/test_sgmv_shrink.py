@@ -159,11 +159,12 @@ def test_group_equals_the_separate_shrinks(device, count, h_in):
         assert got[~base_rows].abs().max() > 0.5
 
 
-@pytest.mark.parametrize("fits", [True, False])
-def test_group_with_a_wide_rank_tile_equals_the_separate_shrinks(device, monkeypatch, fits):
-    """Rank tile 64: where three A tiles do not fit the tuned pipeline (the H200 table's BLOCK_K 256,
-    3 stages: the launch config's grouped entry differs, forced here with ``fits`` False) each
-    linear is shrunk alone, by one-A launches; either way each v is the single shrink's."""
+@pytest.mark.parametrize("r_max,fits,launches", [(16, True, [3]), (16, False, [1, 1, 1]), (64, True, [1, 1, 1])])
+def test_group_falls_back_to_single_launches(device, monkeypatch, r_max, fits, launches):
+    """One launch for the three linears at rank tile 16 (measured); one launch each where the three
+    A tiles do not fit the tuned pipeline in shared memory (the H200 table's BLOCK_K 256, 3 stages
+    at rank tile 64; forced here with ``fits`` False) or above GROUP_MAX_RANK_TILE. Either way each
+    v is the single shrink's."""
     from manylora.kernels import sgmv_shrink as module
 
     lookup, grouped_launches = module.get_config, []
@@ -181,9 +182,9 @@ def test_group_with_a_wide_rank_tile_equals_the_separate_shrinks(device, monkeyp
     slots = make_slot_per_token("uniform", 200 if device == "cuda" else 60, NUM_SLOTS, True, gen)
     meta = build_sgmv_meta(slot_per_token=slots, device=device)
     x = torch.randn(len(slots), 256, generator=gen).to(device, torch.bfloat16)
-    lora_as = [make_lora(NUM_SLOTS, 64, 256, 8, torch.bfloat16, device, gen)[0] for _ in range(3)]
-    vs = list(torch.zeros(3, len(slots), 64, device=device).unbind(0))
+    lora_as = [make_lora(NUM_SLOTS, r_max, 256, 8, torch.bfloat16, device, gen)[0] for _ in range(3)]
+    vs = list(torch.zeros(3, len(slots), r_max, device=device).unbind(0))
     module.sgmv_shrink_group(x, lora_as, meta, vs)
-    assert grouped_launches == ([3] if fits else [1, 1, 1])
+    assert grouped_launches == launches
     for lora_a, got in zip(lora_as, vs):
-        assert torch.equal(got, sgmv_shrink(x, lora_a, meta, torch.zeros(len(slots), 64, device=device)))
+        assert torch.equal(got, sgmv_shrink(x, lora_a, meta, torch.zeros(len(slots), r_max, device=device)))
