@@ -218,11 +218,12 @@ class EncoderGraphs:
 
     def key(self, rows: int, length: int, targets, max_rank: Optional[int], covered: bool = False) -> Optional[tuple]:
         """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention, fused
-        LoRA epilogue, grouped shrinks); None: no graph for this shape. The encoder's ``fused_attention`` is in the
-        key, so that turning it on or off (an A/B on one engine) replays graphs of its own
-        attention; so is the LoRA epilogue (``LoraBatch.fuses_epilogue``), on when the encoder's
-        ``lora_fuse_epilogue`` is and every row has an adapter (``covered``): a padding row takes
-        the last real row's slot, so a covered batch stays covered."""
+        LoRA epilogue, grouped shrinks); None: no graph for this shape. The encoder's
+        ``fused_attention`` is in the key, so that turning it on or off (an A/B on one engine)
+        replays graphs of its own attention (``lora_group_shrinks`` likewise); so is the LoRA
+        epilogue (``LoraBatch.fuses_epilogue``), on when the encoder's ``lora_fuse_epilogue`` is
+        and every row has an adapter (``covered``): a padding row takes the last real row's slot,
+        so a covered batch stays covered."""
         shape = graph_shape(rows, length, self.max_tokens, self.max_length)
         if shape is None:
             return None
