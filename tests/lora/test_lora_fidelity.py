@@ -180,6 +180,22 @@ def test_write_first_equals_the_update_after_the_gemm(tiny_checkpoint, demo_adap
     assert with_base_modes and all(with_base_modes), "a row without an adapter: the update goes after the GEMM"
 
 
+def _eager_engine(tiny_checkpoint, demo_adapters, backend, names, seed):
+    """A float32 engine of ``backend`` whose forwards all run eagerly (a replayed graph would not
+    record its launches), and one request per adapter name ("" = a base row)."""
+    import torch
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
+    engine = Engine(
+        EngineConfig.from_parameters({**values, "dtype": "float32", "kernel_backend": backend}, device=device)
+    )
+    engine.graphs = None
+    schema = json.dumps(demo_schemas()[0])
+    texts = demo_texts(len(names), seed=seed, min_words=10, max_words=30)
+    return engine, [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)], texts, schema
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fused_epilogue_equals_the_separate_passes(tiny_checkpoint, demo_adapters, monkeypatch, backend):
     """Every row with an adapter: DeBERTa's residual adds, layer norms and GELU run inside the LoRA
@@ -191,16 +207,8 @@ def test_fused_epilogue_equals_the_separate_passes(tiny_checkpoint, demo_adapter
 
     from manylora import kernels
 
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
-    engine = Engine(
-        EngineConfig.from_parameters({**values, "dtype": "float32", "kernel_backend": backend}, device=device)
-    )
-    engine.graphs = None  # every forward runs eagerly: a replayed graph would not record its launches
     names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", "enc-r8"]
-    schema = json.dumps(demo_schemas()[0])
-    texts = demo_texts(len(names), seed=29, min_words=10, max_words=30)
-    requests = [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)]
+    engine, requests, texts, schema = _eager_engine(tiny_checkpoint, demo_adapters, backend, names, 29)
     epilogues = []
     apply = kernels.lora_apply
     monkeypatch.setattr(
@@ -332,16 +340,8 @@ def test_grouped_qkv_shrinks_equal_the_separate_ones(tiny_checkpoint, demo_adapt
 
     from manylora import kernels
 
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(next(iter(demo_adapters.values())).parent)}
-    engine = Engine(
-        EngineConfig.from_parameters({**values, "dtype": "float32", "kernel_backend": backend}, device=device)
-    )
-    engine.graphs = None  # every forward runs eagerly: a replayed graph would not record its launches
     names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
-    schema = json.dumps(demo_schemas()[0])
-    texts = demo_texts(len(names), seed=31, min_words=10, max_words=30)
-    requests = [Request(t, schema, adapter=n, include_confidence=True) for t, n in zip(texts, names)]
+    engine, requests, _, _ = _eager_engine(tiny_checkpoint, demo_adapters, backend, names, 31)
     groups, shrunk = [], []
     group, apply = kernels.shrink_group, kernels.lora_apply
     monkeypatch.setattr(kernels, "shrink_group", lambda *a, **k: groups.append(len(a[1])) or group(*a, **k))
