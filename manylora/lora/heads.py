@@ -311,7 +311,7 @@ class HeadLoras:
                 if count > 0 and len(positions) > 1:
                     counted.append((row, task, positions, int(count)))
                     counted_records.append(k)
-            layout = self._dense_layout(batch, counted, counted_records, slots, len(records)) if counted else None
+            layout = self._dense_layout(batch, counted, counted_records, slots, None) if counted else None
             lists = device_lists(layout["lists"], device) if layout else []
         if layout is None:
             return None, plan
@@ -348,13 +348,14 @@ class HeadLoras:
             logits = self._span_scores(tokens, queries, lengths)
         return logits, plan
 
-    def _dense_layout(self, batch, counted, counted_records, slots, n_records: int) -> dict:
+    def _dense_layout(self, batch, counted, counted_records, slots, n_records: Optional[int]) -> dict:
         """The host side of ``span_logits_dense`` after the counts: where each field's embedding
         is, each query's place in the padded [A, Q] queries, the active rows and their slots and
         word counts. ``lists`` holds the index lists for the GPU, in this order: field rows,
         field positions, field slots, active rows, their slots, their word counts, then (when
-        the queries need a scatter) destinations and sources, then each padded query's task as
-        its index in the records (``n_records`` for padding; only the count gate reads it)."""
+        the queries need a scatter) destinations and sources, then, for the count gate (``n_records``
+        given: the records' count), each padded query's task as its index in the records
+        (``n_records`` for padding)."""
         from gliner2.layers import CountLSTM
 
         embed = self.model.count_embed
@@ -401,12 +402,13 @@ class HeadLoras:
         lists = [field_rows, field_pos, field_slots, active, span_slots, lengths]
         if flat_dest is not None:
             lists += [flat_dest, source]
-        gate_index = query_records
-        if flat_dest is not None:
-            gate_index = [n_records] * (len(active) * width_q)
-            for dest, record in zip(flat_dest, query_records):
-                gate_index[dest] = record
-        lists.append(gate_index)
+        if n_records is not None:  # the count gate's index
+            gate_index = query_records
+            if flat_dest is not None:
+                gate_index = [n_records] * (len(active) * width_q)
+                for dest, record in zip(flat_dest, query_records):
+                    gate_index[dest] = record
+            lists.append(gate_index)
         return {
             "lists": lists,
             "steps": steps,
