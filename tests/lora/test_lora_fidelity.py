@@ -366,3 +366,42 @@ def test_grouped_qkv_shrinks_equal_the_separate_ones(tiny_checkpoint, demo_adapt
     assert torch.equal(grouped, separate)
     diffs = [result_differences(a, b, atol=0) for a, b in zip(grouped_answers, separate_answers)]
     assert diffs == [[]] * len(requests)
+
+
+def test_fused_qkv_writes_equal_the_split_kernels(tiny_checkpoint, demo_adapters, monkeypatch):
+    """Every row with an adapter (the update written first): a layer's query, key and value LoRA
+    shrunk and written in one pass (LoraBatch.write_together, kernels.write_group), the base GEMM
+    adding itself after. Bit-identical encoder states and answers to the grouped shrink and the
+    three write-first expands, one fused pass per layer (of two where only q and v are adapted);
+    with one base row, none."""
+    pytest.importorskip("triton")
+    import torch
+
+    from manylora import kernels
+
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", "enc-r8"]
+    engine, requests, _, _ = _eager_engine(tiny_checkpoint, demo_adapters, "triton", names, 37)
+    passes = []
+    write = kernels.write_group
+    monkeypatch.setattr(kernels, "write_group", lambda *a, **k: passes.append(len(a[1])) or write(*a, **k))
+
+    def run(fused: bool, rows):
+        engine.encoder.lora_fuse_writes = fused
+        passes.clear()
+        with torch.inference_mode():
+            (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(rows)])
+            states = engine.forward(list(chunk))[1]
+        calls = list(passes)
+        return states, engine.run(rows), calls
+
+    fused, fused_answers, fused_passes = run(True, requests)
+    split, split_answers, split_passes = run(False, requests)
+    assert fused_passes == [3] * len(engine.encoder.layers), fused_passes
+    assert split_passes == []
+    assert torch.equal(fused, split)
+    diffs = [result_differences(a, b, atol=0) for a, b in zip(fused_answers, split_answers)]
+    assert diffs == [[]] * len(requests)
+    with_base = [*requests[:-1], Request(requests[-1].text, requests[-1].schema, adapter="", include_confidence=True)]
+    assert run(True, with_base)[2] == [], "a row without an adapter: no write-first, no fused pass"
+    only_qv = [Request(r.text, r.schema, adapter="qv-r8", include_confidence=True) for r in requests]
+    assert run(True, only_qv)[2] == [2] * len(engine.encoder.layers), "query and value: a pass of two"
