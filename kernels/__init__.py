@@ -62,8 +62,6 @@ __all__ = [
     "sgmv_shrink_ref",
     "shrink",
     "shrink_group",
-    "write_group",
-    "write_group_supported",
     "span_scores",
     "span_scores_ref",
 ]
@@ -112,42 +110,6 @@ def shrink_group(
     from .sgmv_shrink import sgmv_shrink_group
 
     sgmv_shrink_group(x, lora_as, meta, vs, ranks)
-
-
-def write_group_supported(max_rank: int, backend: str) -> bool:
-    """Whether write_group runs as one pass (the triton backend, rank tiles up to 16)."""
-    if backend != "triton":
-        return False
-    from .sgmv_fused import write_group_supported as supported
-
-    return supported(max_rank)
-
-
-def write_group(
-    x: torch.Tensor,  # [T, H_in]
-    lora_as,  # 1-3 of [num_slots, R_max, H_in], one shape and layout
-    lora_bs,  # as many [num_slots, H_out, R_max]
-    scales,  # as many fp32 [num_slots]
-    meta: SgmvMeta,
-    ys,  # as many [T, H_out], written
-    biases=None,  # as many [H_out], or None
-    ranks: torch.Tensor | None = None,
-    backend: str = "triton",
-) -> None:
-    """ys[i] = biases[i] + each token's LoRA update of linear i (``lora_apply(accumulate=False)``
-    per linear), for linears reading the same x; on the triton backend in one pass
-    (sgmv_fused.sgmv_write_group: v never leaves the registers). Slot -1 rows are not written."""
-    _check_backend(backend)
-    if backend == "torch":
-        for i, (lora_a, lora_b, scale, y) in enumerate(zip(lora_as, lora_bs, scales, ys)):
-            v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-            sgmv_shrink_ref(x, lora_a, meta, v, ranks)
-            bias = None if biases is None else biases[i]
-            sgmv_expand_ref(v, lora_b, scale, meta, y, ranks, 0, False, bias)
-        return
-    from .sgmv_fused import sgmv_write_group
-
-    sgmv_write_group(x, lora_as, lora_bs, scales, meta, ys, biases, ranks)
 
 
 def expand(

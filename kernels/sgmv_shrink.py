@@ -66,6 +66,7 @@ def _sgmv_shrink_kernel(
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
     num_tiles = tl.load(tiles_ptr)
     # Grid-stride loop: the grid is sized from a host bound (one tile per program when
     # it holds); any tiles beyond it are still done here.
@@ -78,10 +79,30 @@ def _sgmv_shrink_kernel(
             rank = tl.minimum(tl.load(ranks_ptr + slot), rank_cap)
         mask_r = offs_r < rank
 
-        acc, acc1, acc2 = _shrink_tile(
-            x_ptr, a_ptr, a1_ptr, a2_ptr, tokens, mask_m, slot, mask_r, h_in, stride_x_t, stride_a_slot, stride_a_r,
-            BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, NUM_A, DOT_PRECISION, DOT_IN_FP32,
-        )  # fmt: skip
+        x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x_t + offs_k[None, :]
+        a_offs = slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(0, tl.cdiv(h_in, BLOCK_K)):
+            if EVEN_K:
+                x_mask = mask_m[:, None]
+                a_mask = mask_r[:, None]
+            else:
+                mask_k = offs_k < h_in - k * BLOCK_K
+                x_mask = mask_m[:, None] & mask_k[None, :]
+                a_mask = mask_r[:, None] & mask_k[None, :]
+            x_tile = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if DOT_IN_FP32:
+                x_tile = x_tile.to(tl.float32)
+            acc = _shrink_step(acc, x_tile, a_ptr + a_offs, a_mask, DOT_PRECISION, DOT_IN_FP32)
+            if NUM_A > 1:
+                acc1 = _shrink_step(acc1, x_tile, a1_ptr + a_offs, a_mask, DOT_PRECISION, DOT_IN_FP32)
+            if NUM_A > 2:
+                acc2 = _shrink_step(acc2, x_tile, a2_ptr + a_offs, a_mask, DOT_PRECISION, DOT_IN_FP32)
+            x_ptrs += BLOCK_K
+            a_offs += BLOCK_K
+
         v_offs = tokens.to(tl.int64)[:, None] * stride_v_t + offs_r[None, :]
         v_mask = mask_m[:, None] & (offs_r[None, :] < rank_cap)
         tl.store(v_ptr + v_offs, acc.to(v_ptr.dtype.element_ty), mask=v_mask)
@@ -89,42 +110,6 @@ def _sgmv_shrink_kernel(
             tl.store(v1_ptr + v_offs, acc1.to(v1_ptr.dtype.element_ty), mask=v_mask)
         if NUM_A > 2:
             tl.store(v2_ptr + v_offs, acc2.to(v2_ptr.dtype.element_ty), mask=v_mask)
-
-
-@triton.jit
-def _shrink_tile(
-    x_ptr, a_ptr, a1_ptr, a2_ptr, tokens, mask_m, slot, mask_r, h_in, stride_x_t, stride_a_slot, stride_a_r,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_A: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-):  # fmt: skip
-    """One tile's x @ Aᵀ for NUM_A linears (the others' accumulators stay zero), float32, x loaded
-    once per BLOCK_K step; shared with sgmv_fused.py's shrink-and-write."""
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x_t + offs_k[None, :]
-    a_offs = slot * stride_a_slot + offs_r[:, None] * stride_a_r + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(h_in, BLOCK_K)):
-        if EVEN_K:
-            x_mask = mask_m[:, None]
-            a_mask = mask_r[:, None]
-        else:
-            mask_k = offs_k < h_in - k * BLOCK_K
-            x_mask = mask_m[:, None] & mask_k[None, :]
-            a_mask = mask_r[:, None] & mask_k[None, :]
-        x_tile = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if DOT_IN_FP32:
-            x_tile = x_tile.to(tl.float32)
-        acc = _shrink_step(acc, x_tile, a_ptr + a_offs, a_mask, DOT_PRECISION, DOT_IN_FP32)
-        if NUM_A > 1:
-            acc1 = _shrink_step(acc1, x_tile, a1_ptr + a_offs, a_mask, DOT_PRECISION, DOT_IN_FP32)
-        if NUM_A > 2:
-            acc2 = _shrink_step(acc2, x_tile, a2_ptr + a_offs, a_mask, DOT_PRECISION, DOT_IN_FP32)
-        x_ptrs += BLOCK_K
-        a_offs += BLOCK_K
-    return acc, acc1, acc2
 
 
 @triton.jit

@@ -101,7 +101,7 @@ class AdapterLinear(nn.Module):
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
             lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
-            self.add_base(x, y)
+            y.addmm_(x, self.weight.t())  # + x Wᵀ, y read in the GEMM's epilogue
         else:
             y = F.linear(x, self.weight, self.bias)
             if lora is not None:
@@ -111,10 +111,6 @@ class AdapterLinear(nn.Module):
         if gelu:
             y = F.gelu(y)
         return y if norm is None else F.layer_norm(y, (y.shape[-1],), *norm)
-
-    def add_base(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += x Wᵀ for a y written first (bias + update): y is read in the GEMM's epilogue."""
-        return y.addmm_(x, self.weight.t())
 
     @classmethod
     def from_linear(cls, name: str, linear: nn.Linear) -> "AdapterLinear":
@@ -284,15 +280,11 @@ class EncoderLayer(nn.Module):
         batch, length, hidden = x.shape
         heads, dh = g.num_heads, g.head_size
         flat = x.reshape(batch * length, hidden)
-        projections = (self.query, self.key, self.value)
-        written = {}
-        if lora is not None:  # their LoRA written first in one pass (write_together), else shrunk in one
-            written = lora.write_together(projections, flat)
-            if not written:
-                lora.shrink_together([m.name for m in projections], flat)
-        q_flat, k_flat, v_flat = (
-            m.add_base(flat, written[m.name]) if m.name in written else m(flat, lora) for m in projections
-        )
+        if lora is not None:  # their LoRA shrinks in one pass over x (LoraBatch.group_shrinks)
+            lora.shrink_together((self.query.name, self.key.name, self.value.name), flat)
+        q_flat = self.query(flat, lora)
+        k_flat = self.key(flat, lora)
+        v_flat = self.value(flat, lora)
 
         scale_factor = 1 + int(g.c2p) + int(g.p2c)
         inv_scale = 1.0 / math.sqrt(dh * scale_factor)
@@ -385,9 +377,6 @@ class Encoder(nn.Module):
         # a layer's query, key and value LoRA shrinks in one pass over its input (LoraBatch.
         # shrink_together); off only for the A/B (perf/profile_core.py --ab group_shrinks)
         self.lora_group_shrinks = True
-        # and, where the update is written first, shrunk and written in one pass (LoraBatch.
-        # write_together); off only for the A/B (perf/profile_core.py --ab fuse_writes)
-        self.lora_fuse_writes = True
         # the projections the position table goes through (c2p: key_proj, p2c: query_proj)
         self.position_modules = [
             name

@@ -461,7 +461,6 @@ class Engine:
                 self.encoder.lora_write_first,
                 self.encoder.lora_fuse_epilogue,
                 self.encoder.lora_group_shrinks,
-                self.encoder.lora_fuse_writes,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

@@ -133,17 +133,13 @@ class StaticLoraBatch(LoraBatch):
         max_rank: int,
         fuse_epilogue: bool = False,
         group_shrinks: bool = True,
-        fuse_writes: bool = True,
     ):
         self.store = store
         self.backend = backend
         self.targets = set(targets)
-        # fixed at capture: the key says every row has an adapter (write_first, fuse_epilogue) and
-        # holds the encoder's flags (group_shrinks, fuse_writes)
         self.write_first = write_first
-        self.fuse_epilogue = fuse_epilogue
-        self.group_shrinks = group_shrinks
-        self.fuse_writes = fuse_writes
+        self.fuse_epilogue = fuse_epilogue  # fixed at capture: the key says every row has an adapter
+        self.group_shrinks = group_shrinks  # fixed at capture too (the key holds it)
         self.builder = meta_builder
         self.rows, self.row_len, self.max_rank = rows, row_len, max_rank
         device = store.device
@@ -222,28 +218,23 @@ class EncoderGraphs:
 
     def key(self, rows: int, length: int, targets, max_rank: Optional[int], covered: bool = False) -> Optional[tuple]:
         """(rows bucket, length bucket, LoRA targets or None, rank tile, fused attention, fused
-        LoRA epilogue, written first, grouped shrinks, fused writes); None: no graph for this
-        shape. The encoder's ``fused_attention`` is in the key, so that turning it on or off (an
-        A/B on one engine) replays graphs of its own attention (``lora_group_shrinks`` and
-        ``lora_fuse_writes`` likewise); so are the LoRA epilogue (``LoraBatch.fuses_epilogue``) and
-        the write-first updates (``LoraBatch.writes_first``), on when the encoder's flag is and every
-        row has an adapter (``covered``): a padding row takes the last real row's slot, so a covered
-        batch stays covered. Written first, a 150-row call's 36 q, k, v updates cost one write of y
-        each instead of a read and a write after the GEMM (H200, 40,800 tokens: 28-42 against
-        57 µs, perf/bench_expand_variants.py, session 22)."""
+        LoRA epilogue, grouped shrinks); None: no graph for this shape. The encoder's
+        ``fused_attention`` is in the key, so that turning it on or off (an A/B on one engine)
+        replays graphs of its own attention (``lora_group_shrinks`` likewise); so is the LoRA
+        epilogue (``LoraBatch.fuses_epilogue``), on when the encoder's ``lora_fuse_epilogue`` is
+        and every row has an adapter (``covered``): a padding row takes the last real row's slot,
+        so a covered batch stays covered."""
         shape = graph_shape(rows, length, self.max_tokens, self.max_length)
         if shape is None:
             return None
         bucket, padded = shape
         fused = bool(self.encoder.fused_attention)
         if not targets:
-            return (bucket, padded, None, 0, fused, False, False, False, False)
+            return (bucket, padded, None, 0, fused, False, False)
         epilogue = bool(covered and self.encoder.lora_fuse_epilogue)
-        write_first = bool(covered and self.encoder.lora_write_first)
         grouped = bool(self.encoder.lora_group_shrinks)
-        fuse_writes = bool(self.encoder.lora_fuse_writes)
         rank_tile = rank_block(max_rank or self.store.max_rank)
-        return (bucket, padded, frozenset(targets), rank_tile, fused, epilogue, write_first, grouped, fuse_writes)
+        return (bucket, padded, frozenset(targets), rank_tile, fused, epilogue, grouped)
 
     def padded_tokens(self, rows: int, length: int) -> int:
         """Tokens the encoder computes for ``rows`` x ``length``: a graph's padded shape, else that."""
@@ -325,25 +316,15 @@ class EncoderGraphs:
         return flat
 
     def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
-        rows, length, targets, rank_tile, _, epilogue, write_first, grouped, fuse_writes = key
+        rows, length, targets, rank_tile, _, epilogue, grouped = key
         started = time.perf_counter()
         lora = None
         if targets is not None:
-            # written first (and the q, k, v writes fused) only in a graph of rows that all have an
-            # adapter (the key's ``covered``): its rows of slot -1 would not be written
+            # the update after the base GEMM (not written first): one graph per shape serves batches
+            # with and without base rows; at these sizes the saved pass over y is not measurable
             backend = self.encoder.backend or "triton"
             lora = StaticLoraBatch(
-                self.store,
-                self.meta_builder,
-                rows,
-                length,
-                targets,
-                backend,
-                write_first,
-                rank_tile,
-                epilogue,
-                grouped,
-                fuse_writes,
+                self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue, grouped
             )
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:

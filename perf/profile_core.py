@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--ab",
         default="chunk_pipeline,count_gate,fused_span_scores,fused_attention,fused_lora_epilogue",
-        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; group_shrinks: the q, k, v shrinks grouped or not; fuse_writes: their write-first updates shrunk and written in one pass or not; write_first: the updates written before the base GEMM where every row has an adapter, or added after it)",
+        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; group_shrinks: the q, k, v shrinks grouped or not)",
     )
     p.add_argument(
         "--chunk-costs",
@@ -159,31 +159,22 @@ def main(argv=None) -> int:
             interleaved_ab("fused_lora_epilogue", engine, items, sync, args.repeats, set_epilogue, epilogue)
         )
 
-    # encoder flags in the CUDA-graph key: each arm replays graphs of its own
-    flags = {
-        "group_shrinks": "lora_group_shrinks",
-        "fuse_writes": "lora_fuse_writes",
-        "write_first": "lora_write_first",
-    }
-    for name, attribute in flags.items():
-        if not (names and name in ab):
-            continue
+    def set_group_shrinks(on: bool) -> None:  # its own graphs (the flag is in their key)
+        engine.encoder.lora_group_shrinks = on
 
-        def set_flag(on: bool, attribute=attribute) -> None:
-            setattr(engine.encoder, attribute, on)
-
-        before = getattr(engine.encoder, attribute)
-        set_flag(False)  # the first run with each (graph captures) is not timed
-        off = engine.run_core(items)
-        set_flag(True)
-        ab_lines.append(f"{name} on vs off, same rows: " + compare_rows(engine.run_core(items), off))
-        ab_lines.append(interleaved_ab(name, engine, items, sync, args.repeats, set_flag, before))
+    if names and "group_shrinks" in ab:  # a layer's q, k, v shrinks in one pass over x
+        grouped = engine.encoder.lora_group_shrinks
+        set_group_shrinks(False)  # the first run with each (graph captures) is not timed
+        separate = engine.run_core(items)
+        set_group_shrinks(True)
+        ab_lines.append("group_shrinks on vs off, same rows: " + compare_rows(engine.run_core(items), separate))
+        ab_lines.append(interleaved_ab("group_shrinks", engine, items, sync, args.repeats, set_group_shrinks, grouped))
         for on in (False, True) if device.startswith("cuda") else ():  # the GPU's own time per arm
-            set_flag(on)
+            set_group_shrinks(on)
             kernel_ms, table = gpu_kernel_ms(lambda: engine.run_core(items), sync)
-            (args.out / f"core-kernels-{name.replace('_', '-')}-{'on' if on else 'off'}.txt").write_text(table)
-            ab_lines.append(f"{name} {'on' if on else 'off'}: GPU kernel time {kernel_ms:.2f} ms")
-        set_flag(before)
+            (args.out / f"core-kernels-group-shrinks-{'on' if on else 'off'}.txt").write_text(table)
+            ab_lines.append(f"group_shrinks {'on' if on else 'off'}: GPU kernel time {kernel_ms:.2f} ms")
+        set_group_shrinks(grouped)
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)

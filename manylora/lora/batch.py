@@ -45,7 +45,6 @@ class LoraBatch:
         write_first: bool = True,
         fuse_epilogue: bool = False,
         group_shrinks: bool = True,
-        fuse_writes: bool = True,
     ):
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
@@ -59,7 +58,6 @@ class LoraBatch:
         # fuses_epilogue); rows of slot -1 get no SGMV tile, so no epilogue either
         self.fuse_epilogue = fuse_epilogue and len(used) == len(slot_per_row) > 0
         self.group_shrinks = group_shrinks  # see shrink_together
-        self.fuse_writes = fuse_writes  # see write_together
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
             slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
@@ -158,42 +156,6 @@ class LoraBatch:
         kernels.shrink_group(x, [store.a[n] for n in names], self.meta, vs, store.ranks, self.backend)
         for n, part in zip(names, vs):
             self._ready[n] = (x, part)  # x is held, so no other tensor takes its address meanwhile
-
-    def write_together(self, linears: Sequence, x: torch.Tensor) -> dict:
-        """Each adapted linear of ``linears`` (AdapterLinear: name, weight, bias) that reads ``x``
-        next (a layer's query, key and value), written first (``writes_first``: bias plus each
-        token's update) in one pass that shrinks and expands without v leaving the registers
-        (``kernels.write_group``): {name: y}, the base GEMM still to add (``AdapterLinear.add_base``).
-        Empty where it does not apply: grouping off, fewer than two adapted, a row without an
-        adapter, rank tiles above 16, the torch backend, or linears of other shapes or bias use;
-        they then go through shrink_together and apply."""
-        chosen = [m for m in linears if self.writes_first(m.name)]
-        store = self.store
-        rank = min(store.max_rank, self.meta.max_rank or store.max_rank)
-        if (
-            not (self.fuse_writes and self.group_shrinks)
-            or len(chosen) < 2
-            or x.dim() != 2
-            or not kernels.write_group_supported(rank, self.backend)
-            or len({tuple(m.weight.shape) for m in chosen}) != 1
-            or len({m.bias is None for m in chosen}) != 1
-        ):
-            return {}
-        ys = [x.new_empty(x.shape[0], m.out_features) for m in chosen]
-        biases = None if chosen[0].bias is None else [m.bias for m in chosen]
-        names = [m.name for m in chosen]
-        kernels.write_group(
-            x,
-            [store.a[n] for n in names],
-            [store.b[n] for n in names],
-            [store.scales[n] for n in names],
-            self.meta,
-            ys,
-            biases,
-            store.ranks,
-            self.backend,
-        )
-        return dict(zip(names, ys))
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,
     # its float32 copy and the float32 GEMM output: ~0.2 GB at this size for GLiNER2-base)
