@@ -119,29 +119,6 @@ def _expand_block(
         b = tl.load(ln_b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         out = d * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-    return out
-
-
-@triton.jit
-def _normalize_rows(
-    y_ptr, ln_w_ptr, ln_b_ptr, rows, mask_m, mean, rstd, h_out, stride_y_t,
-    N_PER_PROG: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-):  # fmt: skip
-    """The layer-norm walk's second pass: y's stored rows (this program's, written by its first
-    pass) read back, normalised with their mean and 1 / std, stored."""
-    for nb in tl.range(0, N_PER_PROG, BLOCK_N, num_stages=2):
-        offs_n = nb + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < h_out
-        y_ptrs = y_ptr + rows * stride_y_t + offs_n[None, :]
-        if EVEN_N:
-            y_mask = mask_m[:, None]
-        else:
-            y_mask = mask_m[:, None] & mask_n[None, :]
-        h = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        w = tl.load(ln_w_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        b = tl.load(ln_b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        out = (h - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -214,36 +191,6 @@ def _sgmv_expand_kernel(
                 stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
                 EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, LAYER_NORM, DOT_PRECISION, DOT_IN_FP32,
             )  # fmt: skip
-        elif LAYER_NORM:  # the row in blocks: stored with its statistics, then read back and normalised
-            # Chan et al.'s pairwise update of (count, mean, M2) per block: each block's own
-            # two-pass mean and squared deviations, combined; stable as the one-block form is
-            count = 0.0
-            mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for nb in tl.range(0, N_PER_PROG, BLOCK_N, num_stages=2):
-                offs_n = nb + tl.arange(0, BLOCK_N)
-                out = _expand_block(
-                    v_tile, offs_n, rows, mask_m, offs_r, mask_r, slot, scale,
-                    b_ptr, y_ptr, bias_ptr, res_ptr, ln_w_ptr, ln_b_ptr, h_out, 0, eps,
-                    stride_b_slot, stride_b_h, stride_y_t, stride_res_t,
-                    EVEN_N, ACCUMULATE, HAS_BIAS, HAS_RESIDUAL, GELU, False, DOT_PRECISION, DOT_IN_FP32,
-                )  # fmt: skip
-                mask_n = offs_n < h_out
-                h = tl.where(mask_n[None, :], out.to(y_ptr.dtype.element_ty).to(tl.float32), 0.0)
-                n_b = tl.minimum(h_out - nb, BLOCK_N).to(tl.float32)
-                mean_b = tl.sum(h, axis=1) / n_b
-                d = tl.where(mask_n[None, :], h - mean_b[:, None], 0.0)
-                m2_b = tl.sum(d * d, axis=1)
-                total = count + n_b
-                delta = mean_b - mean
-                mean += delta * (n_b / total)
-                m2 += m2_b + delta * delta * (count * n_b / total)
-                count = total
-            rstd = tl.math.rsqrt(m2 / h_out + eps)
-            tl.debug_barrier()  # the first pass's stores, by any thread of the program, are visible
-            _normalize_rows(
-                y_ptr, ln_w_ptr, ln_b_ptr, rows, mask_m, mean, rstd, h_out, stride_y_t, N_PER_PROG, BLOCK_N, EVEN_N
-            )
         else:  # the v tile and the tile's metadata serve N_PER_PROG // BLOCK_N blocks, pipelined
             for nb in tl.range(0, N_PER_PROG, BLOCK_N, num_stages=2):
                 _expand_block(
@@ -337,7 +284,7 @@ def sgmv_expand(
     block_n = config["BLOCK_N"]
     n_per_prog = config.get("N_PER_PROG", block_n)
     assert n_per_prog % block_n == 0, f"N_PER_PROG {n_per_prog} is not a multiple of BLOCK_N {block_n}"
-    assert layer_norm is None or n_per_prog >= h_out, "with layer_norm one program spans the row"
+    assert layer_norm is None or n_per_prog == block_n >= h_out, "with layer_norm one block spans the row"
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound, -(-h_out // n_per_prog))
     _sgmv_expand_kernel[grid](
