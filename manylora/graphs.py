@@ -321,7 +321,11 @@ class EncoderGraphs:
         lora = None
         if targets is not None:
             # the update after the base GEMM (not written first): one graph per shape serves batches
-            # with and without base rows; at these sizes the saved pass over y is not measurable
+            # with and without base rows. Tried in the graphs of rows that all have an adapter (commit
+            # 05de464, H200, session 22): no faster, 31.48 ms of GPU time per 150-row call of 1,024
+            # adapters (43,520 tokens) written first against 31.44 added after; the q, k, v GEMMs
+            # (K = 768) then read y in their epilogue at near their bytes' pace
+            # (perf/h200-2026-12-04/session22/, kernels/PERF_NOTES.md)
             backend = self.encoder.backend or "triton"
             lora = StaticLoraBatch(
                 self.store, self.meta_builder, rows, length, targets, backend, False, rank_tile, epilogue, grouped
