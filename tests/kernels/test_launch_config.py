@@ -134,3 +134,38 @@ def test_shared_memory_bound_is_not_below_what_triton_allocated(case):
     element_size, block_m, block_k, block_r, stages = case
     config = {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_stages": stages}
     assert lc.shared_memory_bytes("sgmv_shrink", config, block_r, element_size) >= H200_SHRINK_SHARED[case]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the GPU's own shared-memory limit")
+@pytest.mark.parametrize("num_tokens", [2048, 20000])
+@pytest.mark.parametrize(
+    "dtype_name,r_max", [("float32", 16), ("float32", 64), ("bfloat16", 64), ("bfloat16", 128)], ids=str
+)
+def test_fitted_configs_launch_on_the_gpu(device, dtype_name, r_max, num_tokens):
+    """The cases that ran out of shared memory on the H200 before the lookup fitted the stages
+    (float32 rows of >= 1,152 tokens, bfloat16 rank tiles 64 and 128; session 10) and the grouped
+    shrink's (session 21), launched with the table's configs: the shrink, the grouped shrink and the
+    expand run, and give the float32 reference's answer."""
+    import torch
+    from manylora.kernels import build_sgmv_meta, sgmv_expand_ref, sgmv_shrink_ref
+    from manylora.kernels.sgmv_expand import sgmv_expand
+    from manylora.kernels.sgmv_shrink import sgmv_shrink_group
+    from sgmv_cases import assert_close, make_lora, make_slot_per_token
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(num_tokens + r_max)
+    slots = make_slot_per_token("uniform", num_tokens, 12, True, gen)
+    meta = build_sgmv_meta(slot_per_token=slots, device=device)
+    x = torch.randn(num_tokens, 768, generator=gen).to(device, dtype)
+    loras = [make_lora(12, r_max, 768, 768, dtype, device, gen) for _ in range(3)]
+    vs = list(torch.zeros(3, num_tokens, r_max, device=device).unbind(0))
+    sgmv_shrink_group(x, [lora[0] for lora in loras], meta, vs)
+    adapted = torch.tensor(slots, device=device) >= 0
+    for (lora_a, lora_b, scales), v in zip(loras, vs):
+        want_v = sgmv_shrink_ref(x, lora_a, meta, torch.zeros_like(v))
+        assert_close(v[adapted], want_v[adapted], dtype)
+        y = torch.zeros(num_tokens, 768, device=device, dtype=dtype)
+        sgmv_expand(v, lora_b, scales, meta, y)
+        want = sgmv_expand_ref(want_v, lora_b, scales, meta, torch.zeros_like(y))
+        assert_close(y, want, dtype)
+        assert y[adapted].abs().max() > 0.1
