@@ -1,6 +1,7 @@
 """Launch-config tables: complete, well-formed, and looked up with the documented precedence."""
 
 import pytest
+import torch
 from manylora.kernels import BLOCK_M_CHOICES
 from manylora.kernels import launch_config as lc
 
@@ -136,7 +137,7 @@ def test_shared_memory_bound_is_not_below_what_triton_allocated(case):
     assert lc.shared_memory_bytes("sgmv_shrink", config, block_r, element_size) >= H200_SHRINK_SHARED[case]
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the GPU's own shared-memory limit")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's own shared-memory limit")
 @pytest.mark.parametrize("num_tokens", [2048, 20000])
 @pytest.mark.parametrize(
     "dtype_name,r_max", [("float32", 16), ("float32", 64), ("bfloat16", 64), ("bfloat16", 128)], ids=str
@@ -146,7 +147,6 @@ def test_fitted_configs_launch_on_the_gpu(device, dtype_name, r_max, num_tokens)
     (float32 rows of >= 1,152 tokens, bfloat16 rank tiles 64 and 128; session 10) and the grouped
     shrink's (session 21), launched with the table's configs: the shrink, the grouped shrink and the
     expand run, and give the float32 reference's answer."""
-    import torch
     from manylora.kernels import build_sgmv_meta, sgmv_expand_ref, sgmv_shrink_ref
     from manylora.kernels.sgmv_expand import sgmv_expand
     from manylora.kernels.sgmv_shrink import sgmv_shrink_group
