@@ -86,26 +86,28 @@ class AdapterLinear(nn.Module):
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
         norm: Optional[tuple] = None,
+        shrunk: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``x Wᵀ + b`` with each token's LoRA update, then ``+ residual``, the exact GELU and / or
         the layer norm ``norm`` (weight, bias, eps) (DeBERTa's next elementwise passes): inside the
         LoRA expand where the batch allows it (``LoraBatch.fuses_epilogue``), else as torch's own
-        add, gelu and layer_norm."""
+        add, gelu and layer_norm. ``shrunk``: x Aᵀ of this linear's LoRA, already computed
+        (``LoraBatch.shrink_together``)."""
         fused = residual is not None or gelu or norm is not None
         if lora is not None and fused and x.dim() == 2 and lora.fuses_epilogue(self.name):
             y = F.linear(x, self.weight, self.bias)
             # y = norm(gelu(y + update [+ residual])); the norm's block spans the row, so up to a width
             wide = norm is not None and self.out_features > kernels.LAYER_NORM_MAX_WIDTH
-            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=None if wide else norm)
+            lora.apply(self.name, x, y, residual=residual, gelu=gelu, layer_norm=None if wide else norm, shrunk=shrunk)
             return F.layer_norm(y, (y.shape[-1],), *norm) if wide else y
         if lora is not None and x.dim() == 2 and lora.writes_first(self.name):
             y = x.new_empty(x.shape[0], self.out_features)
-            lora.apply(self.name, x, y, accumulate=False, bias=self.bias)  # y = bias + update
+            lora.apply(self.name, x, y, accumulate=False, bias=self.bias, shrunk=shrunk)  # y = bias + update
             y.addmm_(x, self.weight.t())  # + x Wᵀ, y read in the GEMM's epilogue
         else:
             y = F.linear(x, self.weight, self.bias)
             if lora is not None:
-                lora.apply(self.name, x, y)
+                lora.apply(self.name, x, y, shrunk=shrunk)
         if residual is not None:
             y = y + residual
         if gelu:
@@ -280,11 +282,13 @@ class EncoderLayer(nn.Module):
         batch, length, hidden = x.shape
         heads, dh = g.num_heads, g.head_size
         flat = x.reshape(batch * length, hidden)
-        if lora is not None:  # their LoRA shrinks in one pass over x (LoraBatch.group_shrinks)
-            lora.shrink_together((self.query.name, self.key.name, self.value.name), flat)
-        q_flat = self.query(flat, lora)
-        k_flat = self.key(flat, lora)
-        v_flat = self.value(flat, lora)
+        shrunk = {}  # their LoRA shrinks in one pass over x (LoraBatch.group_shrinks)
+        if lora is not None:
+            shrunk = lora.shrink_together((self.query.name, self.key.name, self.value.name), flat)
+        q_flat = self.query(flat, lora, shrunk=shrunk.get(self.query.name))
+        k_flat = self.key(flat, lora, shrunk=shrunk.get(self.key.name))
+        v_flat = self.value(flat, lora, shrunk=shrunk.get(self.value.name))
+        del shrunk  # the v buffer goes back to the allocator (a graph capture's pool) here
 
         scale_factor = 1 + int(g.c2p) + int(g.p2c)
         inv_scale = 1.0 / math.sqrt(dh * scale_factor)

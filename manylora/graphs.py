@@ -150,7 +150,6 @@ class StaticLoraBatch(LoraBatch):
         self.group_has_adapter = self._slots[2]
         self.row_group = torch.arange(rows, dtype=torch.int32, device=device)
         self._scratch: dict = {}
-        self._ready: dict = {}
         self._positions: dict = {}
         self._positions_window = None
         self.meta: Optional[SgmvMeta] = None
@@ -180,7 +179,6 @@ class StaticLoraBatch(LoraBatch):
     def forget_scratch(self) -> None:
         """Drop the warm-up's temporaries, so that the capture allocates its own in the graph pool."""
         self._scratch = {}
-        self._ready = {}
         self._positions = {}
         self._positions_window = None
 

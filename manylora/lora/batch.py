@@ -72,7 +72,6 @@ class LoraBatch:
         self.row_group = device_tensor([index[s] for s in slot_per_row], device)
         self.row_slots = device_tensor(list(slot_per_row), device)  # -1: no adapter
         self._scratch: dict = {}
-        self._ready: dict = {}  # name -> (x, v): shrink_together's v of that linear for that x
         self._positions: dict[str, PositionLora] = {}  # prepare_positions' factors, for one window
         self._positions_window: Optional[torch.Tensor] = None
 
@@ -110,17 +109,17 @@ class LoraBatch:
         residual: Optional[torch.Tensor] = None,
         gelu: bool = False,
         layer_norm: Optional[tuple] = None,
+        shrunk: Optional[torch.Tensor] = None,
     ) -> None:
         """y += each token's scale * (x A^T) B^T for its row's adapter (in place); with
         ``accumulate=False``, y = bias + that update (y is not read). ``residual`` / ``gelu`` /
         ``layer_norm`` (weight, bias, eps): then + residual, the exact GELU and / or the layer
-        norm, rounded as torch's own passes (only where ``fuses_epilogue``)."""
+        norm, rounded as torch's own passes (only where ``fuses_epilogue``). ``shrunk``: this
+        linear's x Aᵀ already computed (``shrink_together``'s v for this x), only expanded here."""
         if name not in self.targets:
             return
         store = self.store
-        ready = self._ready.pop(name, None)
-        shrunk = ready is not None and ready[0].data_ptr() == x.data_ptr() and ready[0].shape == x.shape
-        v = ready[1] if shrunk else self._v(x)
+        v = self._v(x) if shrunk is None else shrunk
         kernels.lora_apply(
             x,
             y,
@@ -136,26 +135,26 @@ class LoraBatch:
             residual=residual,
             gelu=gelu,
             layer_norm=layer_norm,
-            shrunk=shrunk,
+            shrunk=shrunk is not None,
         )
 
-    def shrink_together(self, names: Sequence[str], x: torch.Tensor) -> None:
+    def shrink_together(self, names: Sequence[str], x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The shrinks of the linears ``names`` that read the same ``x`` next (a layer's query, key
-        and value) in one pass over x (``kernels.shrink_group``); their ``apply`` on this x then
-        skips its own. Fewer than two of them adapted: nothing (each shrinks as usual)."""
+        and value) in one pass over x (``kernels.shrink_group``): {name: its v}, for their
+        ``apply(..., shrunk=v)`` on this x. Fewer than two of them adapted: {} (each shrinks as
+        usual)."""
         names = [n for n in names if n in self.targets]
         if not self.group_shrinks or len(names) < 2 or x.dim() != 2:
-            return
+            return {}
         store = self.store
-        # one [k, T, R_max] buffer, freed once the last of them is applied (so a graph capture
-        # gives the memory back to its pool); each linear's v is one contiguous [T, R_max] of it,
+        # one [k, T, R_max] buffer, freed with the caller's dict (so a graph capture gives the
+        # memory back to its pool); each linear's v is one contiguous [T, R_max] of it,
         # as _v's: column slices of a [T, k * R_max] buffer made the 36 q, k, v expands of a
         # 150-row call 0.14 ms slower on the H200 (session 21, perf/h200-2026-12-04/session21/)
         v = torch.empty(len(names), x.shape[0], store.max_rank, dtype=torch.float32, device=x.device)
         vs = list(v.unbind(0))
         kernels.shrink_group(x, [store.a[n] for n in names], self.meta, vs, store.ranks, self.backend)
-        for n, part in zip(names, vs):
-            self._ready[n] = (x, part)  # x is held, so no other tensor takes its address meanwhile
+        return dict(zip(names, vs))
 
     # elements of one chunk's gathered A: bounds the temporaries of _add_positions (that buffer,
     # its float32 copy and the float32 GEMM output: ~0.2 GB at this size for GLiNER2-base)
