@@ -88,24 +88,16 @@ def shared_memory_bytes(op: str, config: dict, block_r: int, element_size: int, 
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(
-    table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int, limit: int, operands: int = 1
-) -> tuple:
+def _lookup(table_name: str, op: str, bucket: int, hidden: int, block_r: int, element_size: int, limit: int) -> tuple:
     entries = load_table(table_name)[op]
     for h, r in ((hidden, block_r), (hidden, "*"), ("*", block_r), ("*", "*")):
         config = entries.get(f"t{bucket}_h{h}_r{r}")
         if config is not None:
             config = dict(config)
-
             # the tables are tuned for 2-byte dtypes and rank tile 16: wider elements and larger
             # rank tiles get fewer stages until the bound fits the GPU
-            def need() -> int:
-                return shared_memory_bytes(op, config, block_r, element_size, operands)
-
-            while config["num_stages"] > 1 and need() > limit:
+            while config["num_stages"] > 1 and shared_memory_bytes(op, config, block_r, element_size) > limit:
                 config["num_stages"] -= 1
-            while operands > 1 and config["BLOCK_K"] > 16 and need() > limit:  # a grouped shrink
-                config["BLOCK_K"] //= 2
             return tuple(sorted(config.items()))
     raise AssertionError(f"unreachable: {table_name} has no t{bucket}_h*_r* for {op}")
 
@@ -119,22 +111,29 @@ def shared_memory_limit(index: Optional[int]) -> int:
     return int(getattr(properties, "shared_memory_per_block_optin", 0) or SHARED_MEMORY_LIMIT)
 
 
+def _device_index(device: torch.device) -> Optional[int]:
+    """The CUDA device's index (None: not a GPU); one device query per launch at most."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def get_config(
-    op: str,
-    device: torch.device,
-    num_tokens: int,
-    hidden: int,
-    block_r: int,
-    element_size: int = 2,
-    operands: int = 1,  # sgmv_shrink_group's linears: their A tiles share the shared memory
+    op: str, device: torch.device, num_tokens: int, hidden: int, block_r: int, element_size: int = 2
 ) -> dict:
     """The launch config for one call (cached per bucket; the dict is a fresh copy)."""
-    index = None
-    if device.type == "cuda":  # one device query per launch at most
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     table = "default" if index is None else _cuda_table_name(index)
-    limit = shared_memory_limit(index)
-    return dict(_lookup(table, op, token_bucket(num_tokens), hidden, block_r, element_size, limit, operands))
+    return dict(_lookup(table, op, token_bucket(num_tokens), hidden, block_r, element_size, shared_memory_limit(index)))
+
+
+def fits_shared_memory(
+    op: str, config: dict, device: torch.device, block_r: int, element_size: int, operands: int
+) -> bool:
+    """Whether ``config`` with ``operands`` A tiles per step (sgmv_shrink_group) stays within the
+    device's shared memory by shared_memory_bytes' bound."""
+    limit = shared_memory_limit(_device_index(device))
+    return shared_memory_bytes(op, config, block_r, element_size, operands) <= limit
 
 
 def all_configs(op: str) -> list[dict]:

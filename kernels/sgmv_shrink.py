@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_config import get_config, rank_block
+from .launch_config import fits_shared_memory, get_config, rank_block
 from .meta import SgmvMeta
 
 # Largest rank tile at which several linears are shrunk in one launch. Measured at 16 only
@@ -188,12 +188,14 @@ def sgmv_shrink_group(
 
     if config is None:
         config = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size())
-        if len(lora_as) > 1:
-            fitted = get_config("sgmv_shrink", x.device, num_tokens, h_in, block_r, x.element_size(), len(lora_as))
-            if block_r > GROUP_MAX_RANK_TILE or fitted != config:  # not measured there: one launch each
-                for a, out in zip(lora_as, vs):
-                    sgmv_shrink_group(x, (a,), meta, (out,), ranks, config)
-                return
+        grouped = len(lora_as) > 1
+        if grouped and (
+            block_r > GROUP_MAX_RANK_TILE
+            or not fits_shared_memory("sgmv_shrink", config, x.device, block_r, x.element_size(), len(lora_as))
+        ):  # not measured there: one launch each, with the single shrink's config
+            for a, out in zip(lora_as, vs):
+                sgmv_shrink_group(x, (a,), meta, (out,), ranks, config)
+            return
     tiles = meta.tiles(config["BLOCK_M"])
     grid = (tiles.grid_bound,)
     extra_a = list(lora_as[1:]) + [lora_a] * (3 - len(lora_as))  # any pointers past NUM_A
