@@ -460,9 +460,10 @@ class Engine:
         input_ids = torch.nn.functional.pad(batch.input_ids, (0, pad))
         attention_mask = torch.nn.functional.pad(batch.attention_mask, (0, pad))
         lora = None
-        distinct = {id(p.adapter): p.adapter for p in chunk if p.adapter is not None}.values()
-        targets = {name for adapter in distinct for name in adapter.modules}
-        targets &= self.encoder_targets
+        # the union of the chunk's distinct module sets (one or a few layouts), not of every
+        # adapter's 72 module names in turn
+        layouts = {p.adapter.module_names for p in chunk if p.adapter is not None}
+        targets = frozenset().union(*layouts) & self.encoder_targets
         if self.graphs is not None:
             ranks = (self.store.owner(s).rank for s in set(slot_per_row) if s >= 0)
             hidden = self.graphs.run(input_ids, attention_mask, slot_per_row, targets, max(ranks, default=0))

@@ -147,6 +147,10 @@ class LoraAdapter:
     def rank(self) -> int:
         return max(m.rank for m in self.modules.values())
 
+    @functools.cached_property  # read per chunk: adapters of one layout share equal sets
+    def module_names(self) -> frozenset:
+        return frozenset(self.modules)
+
     @property
     def nbytes(self) -> int:
         return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())

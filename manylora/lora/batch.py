@@ -40,7 +40,7 @@ class LoraBatch:
         meta_builder,
         slot_per_row: Sequence[int],
         row_len: int,
-        targets: set[str],
+        targets: "set[str] | frozenset[str]",
         backend: str,
         write_first: bool = True,
         fuse_epilogue: bool = False,

@@ -570,6 +570,8 @@ class AdapterStore:
             else:
                 missing.append(adapter)
                 self.events["miss", "gpu"] += 1
+        if not missing:  # every adapter has its slot: no walk over all gpu_slots (1,024 each) below
+            return result
         mapped = set(self._gpu.values())
         free = [s for s in range(self.gpu_slots) if s not in mapped and s not in self._pinned]
         evictable = [n for n, s in self._gpu.items() if n not in wanted and s not in self._pinned]  # LRU order
