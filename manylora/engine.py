@@ -25,7 +25,7 @@ import gc
 import logging
 import time
 from collections import defaultdict, deque
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -194,7 +194,7 @@ class Engine:
         # heads) and C (the hits' nonzero, the copy, the compact rows: finish), each also as
         # "<phase>_cpu", the thread's CPU (wall well above it: waits for the interpreter lock or a
         # blocking call; CUDA's spin-waits count as CPU). serving.CoreModelHandler adds its threads'
-        # phases (parse, lookup, idle, publish, answer_pack, answer_send, gpu_thread_cpu, answer_thread_cpu)
+        # phases (parse, idle, publish, answer_pack, answer_send, gpu_thread_cpu, answer_thread_cpu)
         self.phase_seconds: defaultdict[str, float] = defaultdict(float)
         self.store = AdapterStore(
             config.adapter_dir,
@@ -338,40 +338,20 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ pre
-    def _adapter(self, adapter_id: str, found: Optional[dict], located: Optional[dict] = None):
+    def _adapter(self, adapter_id: str, found: Optional[dict]):
         """The adapter of ``adapter_id`` (None for the base model); ``found``: this batch's
-        lookups by id (filled here), so a batch checks each folder once; ``located``: its
-        folders as ``locate`` checked them, if it did."""
+        lookups by id (filled here), so a batch checks each folder once."""
         if not adapter_id:
             return None
         adapter = None if found is None else found.get(adapter_id)
         if adapter is None:
-            where = None if located is None else located.get(adapter_id)
-            if isinstance(where, RequestError):  # this row's own error, found by ``locate``
-                raise RequestError(where.code, where.message)
             try:
-                adapter = self.store.get(adapter_id, where)
+                adapter = self.store.get(adapter_id)
             except AdapterError as exc:
                 raise RequestError(exc.code, exc.message) from None
             if found is not None:
                 found[adapter_id] = adapter
         return adapter
-
-    def locate(self, adapter_ids: Iterable[str]) -> dict:
-        """Each distinct id's folder and the fingerprint of its files (``AdapterStore.locate``),
-        or the RequestError its rows get: ``core_begin``'s ``located``. The GPU stage's
-        ``execute`` calls it as it queues a batch, so that these checks (three ``stat`` calls
-        per adapter) run in Triton's thread, not in the GPU thread: the rows' preparation took
-        8.4 ms of the GPU thread's 68 ms of CPU in a 352-row call with 1,024 adapters, against
-        2.1 for base rows (H200, session 21's saturation phases, perf/README.md). Only folders
-        and fingerprints wait in the queue, never adapters: the host tier still bounds those."""
-        located: dict = {}
-        for adapter_id in dict.fromkeys(a for a in adapter_ids if a):
-            try:
-                located[adapter_id] = self.store.locate(adapter_id)
-            except AdapterError as exc:
-                located[adapter_id] = RequestError(exc.code, exc.message)
-        return located
 
     def prepare(self, index: int, request: Request, found: Optional[dict] = None) -> Prepared:
         """Validate and tokenize one request, and look its adapter up; raises RequestError."""
@@ -582,22 +562,15 @@ class Engine:
         return self.core_begin(items)()
 
     @torch.inference_mode()
-    def core_begin(
-        self, items: Sequence[tuple], between: Optional[Callable[[], None]] = None, located: Optional[dict] = None
-    ):
+    def core_begin(self, items: Sequence[tuple], between: Optional[Callable[[], None]] = None):
         """``run_core`` but for its last chunk's host work: returns ``finish() -> results``.
         ``between`` (the previous call's ``finish``, say) runs once this call's first forward
         is queued, so the GPU has that forward to run while the host finishes the previous
-        call (``_core_begin``). ``located``: the items' folders as ``locate`` checked them
-        (the ids it lacks are checked here). Nothing here raises for a bad item; ``finish``
-        never raises."""
+        call (``_core_begin``). Nothing here raises for a bad item; ``finish`` never raises."""
         # checked before the prefetch: a load it starts may finish before a later check (a race
         # that a fresh-clone CI run hit), and the lookup below would have waited for it anyway
-        located = located or {}
-        # ids whose folder check failed in ``locate`` are answered from it, not prefetched
-        ids = list(dict.fromkeys(i[3] for i in items if i[3] and not isinstance(located.get(i[3]), RequestError)))
-        cold = between is not None and not self.store.in_host(ids)
-        self.store.prefetch(ids, located)
+        cold = between is not None and not self.store.in_host({item[3] for item in items if item[3]})
+        self.store.prefetch(item[3] for item in items)
         if cold:
             between()  # a lookup below may wait for a disk load: the last call's answers go first
             between = None
@@ -607,7 +580,7 @@ class Engine:
         started, cpu = time.perf_counter(), time.thread_time()
         for index, (input_ids, word_positions, schema_json, adapter_id, t_min) in enumerate(items):
             try:
-                adapter = self._adapter(adapter_id, found, located)
+                adapter = self._adapter(adapter_id, found)
                 record, metadata = self.pre.core_record(input_ids, word_positions, schema_json)
                 request = CoreRequest(adapter_id, schema_json, t_min)
                 prepared.append(Prepared(index, request, record, metadata, len(record.input_ids), adapter, t_min))

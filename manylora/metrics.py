@@ -34,8 +34,7 @@ heavy load are captured while they are served. They stay 0 without CUDA graphs (
 The phase counter splits the GPU stage's time (``Engine.phase_seconds``): ``prepare`` (rows'
 records), ``forward`` / ``heads`` / ``finish`` (each chunk's steps A, B, C: host work and the
 waits for the GPU inside them), ``publish`` (these metrics), ``idle`` (the GPU thread waiting
-for a batch), ``parse`` (``execute`` checking a batch, in Triton's thread), ``lookup`` (``execute``
-checking the batch's adapter folders, ``Engine.locate``), ``answer_pack`` /
+for a batch), ``parse`` (``execute`` checking a batch, in Triton's thread), ``answer_pack`` /
 ``answer_send`` (the answer thread building the responses / sending them), and the two threads' CPU seconds (``gpu_thread_cpu``,
 ``answer_thread_cpu``; CUDA's spin-waits count as CPU). Divided by the calls' count, they say
 where a call's wall time goes (``perf/bench_server.py`` prints that).

@@ -633,12 +633,8 @@ class CoreModelHandler(TritonModelHandler):
         started = time.perf_counter()
         job = self._parse(requests)  # the GPU thread profiles (one cProfile per process)
         phases = self.engine.phase_seconds
-        parsed = time.perf_counter()
-        phases["parse"] += parsed - started
-        # the adapters' folders checked here, not in the GPU thread (Engine.locate says why)
-        located = self.engine.locate(item[3] for item in job[1] if not isinstance(item, RequestError))
-        phases["lookup"] += time.perf_counter() - parsed
-        self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic(), located))
+        phases["parse"] += time.perf_counter() - started
+        self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
 
     def _parse(self, requests: list) -> tuple[list, list]:
@@ -747,15 +743,12 @@ class CoreModelHandler(TritonModelHandler):
         Each call's rows, wall time and its jobs' waits in the queue go to the engine's
         ``call_stats`` (the metrics manylora_core_call_rows / _call_seconds / _queue_seconds)."""
         started = time.monotonic()
-        waits = [started - queued for _, _, queued, _ in jobs]
-        merged_items = [item for _, (_, items), _, _ in jobs for item in items]
+        waits = [started - queued for _, _, queued in jobs]
+        merged_items = [item for _, (_, items), _ in jobs for item in items]
         rows = [item for item in merged_items if not isinstance(item, RequestError)]
-        located = {}  # each job: (senders, (groups, items), queued time, its folders as execute checked them)
-        for _, _, _, job_located in jobs:
-            located.update(job_located)
         before = _once(before)
         try:
-            finish = self.engine.core_begin(rows, before, located)
+            finish = self.engine.core_begin(rows, before)
         except Exception:  # core_begin answers per row; this is a bug: the slower path, which splits
             logger.exception("the GPU thread failed to queue a merged batch")
             before()
@@ -774,7 +767,7 @@ class CoreModelHandler(TritonModelHandler):
                 answers = [error] * len(merged_items)
             self._unpublished = True  # the call's counters (cache events, phases) changed either way
             offset = 0
-            for senders, job, _, _ in jobs:
+            for senders, job, _ in jobs:
                 n = len(job[1])
                 self._answers.put((senders, job, answers[offset : offset + n]))
                 offset += n

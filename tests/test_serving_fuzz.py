@@ -379,61 +379,6 @@ def test_overlapped_gpu_stage_answers_every_request_once_through_its_sender(tiny
             assert got == want
 
 
-def test_overlapped_gpu_stage_checks_adapter_folders_in_execute_not_in_the_gpu_thread(tiny_checkpoint, demo_adapters):
-    """execute() checks each distinct adapter folder of its batch (Engine.locate) before it
-    queues the batch; the GPU thread then checks none and takes the adapters with those checks.
-    An unknown adapter's row gets its own NOT_FOUND, its batch-mates (the same adapter id twice,
-    other adapters, base rows) the in-process engine's answers."""
-    import threading
-
-    from manylora import wire
-    from manylora.config import EngineConfig
-    from manylora.engine import Engine, Request
-    from manylora.post import CompactRow
-
-    root = next(iter(demo_adapters.values())).parent
-    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}))
-    schema = json.dumps({"entities": ["person", "company"]})
-    names = sorted(demo_adapters)
-    rows = [
-        ("Tim Cook runs Apple.", names[0]),
-        ("Ada Lovelace met Charles Babbage.", "no-such-adapter"),
-        ("Grace Hopper worked at Remington Rand.", ""),
-        ("Tim Cook met Ada.", names[0]),
-        ("Ada Lovelace runs Apple.", names[-1]),
-    ]
-    prepared = [engine.pre.prepare(i, Request(t, schema, adapter=a)) for i, (t, a) in enumerate(rows)]
-    request = SenderRequest(_core_request(prepared, schema, [a for _, a in rows]))
-    checked = []  # (thread name, adapter id) of every folder check
-    real_locate = engine.store._locate
-
-    def locate(adapter_id):
-        checked.append((threading.current_thread().name, adapter_id))
-        return real_locate(adapter_id)
-
-    engine.store._locate = locate
-    core = _core_handler(engine)
-    core.start_overlap()
-    try:
-        assert core.execute([request]) is None
-        assert request.sender.done.wait(120), "the request is answered"
-    finally:
-        core.finalize()
-    assert sorted(a for _, a in checked) == sorted({names[0], names[-1], "no-such-adapter"}), checked
-    assert all(thread == threading.current_thread().name for thread, _ in checked), checked
-    assert engine.phase_seconds["lookup"] > 0
-    ((response, _),) = request.sender.sent
-    statuses = [s.decode() for s in response.output_tensors[0].array.reshape(-1)]
-    assert statuses[1].startswith("NOT_FOUND\tunknown adapter 'no-such-adapter'"), statuses
-    assert statuses[:1] + statuses[2:] == [""] * 4
-    packed = wire.unpack_rows(response.output_tensors[1].array.reshape(-1)[0])
-    engine.store._locate = real_locate
-    for k in (0, 2, 3, 4):
-        want = engine.run([Request(rows[k][0], schema, adapter=rows[k][1])])[0]
-        got = engine.post.decode(CompactRow.from_arrays(packed[k]), prepared[k].record, prepared[k].metadata, 0.5)
-        assert got == want
-
-
 def test_gpu_thread_delivers_the_last_call_once_the_next_forward_is_queued(tiny_checkpoint, monkeypatch):
     """The GPU thread's pipeline across calls: the last call is delivered (its answers queued)
     after the next call's first forward is queued and before that call's heads, exactly once;
@@ -464,9 +409,9 @@ def test_gpu_thread_delivers_the_last_call_once_the_next_forward_is_queued(tiny_
     monkeypatch.setattr(engine, "forward", lambda chunk: events.append(f"A{len(chunk)}") or real_forward(chunk))
     monkeypatch.setattr(engine, "compact_begin", lambda c, *a: events.append(f"B{len(c)}") or real_begin(c, *a))
     queued = time.monotonic()
-    first = core._begin_jobs([(["sender-1"], calls[0][2], queued, {})], None)
+    first = core._begin_jobs([(["sender-1"], calls[0][2], queued)], None)
     assert core._answers.empty(), "not delivered before the next call (or an empty queue) asks"
-    second = core._begin_jobs([(["sender-2"], calls[1][2], queued, {})], first)
+    second = core._begin_jobs([(["sender-2"], calls[1][2], queued)], first)
     assert events == ["A1", "B1", "A2", "deliver", "B2"], events
     first()  # a second call runs nothing
     second()
@@ -503,7 +448,7 @@ def test_gpu_thread_merges_waiting_jobs_up_to_its_token_budget(tiny_checkpoint):
     for _ in range(3):
         job = core._parse([SenderRequest(_core_request(prepared, schema))])
         assert serving._job_tokens(job[1]) == tokens
-        jobs.append((["sender"], job, time.monotonic(), {}))
+        jobs.append((["sender"], job, time.monotonic()))
     core.MERGE_BUDGETS = 1.5 * tokens / engine.config.max_batch_tokens  # room for one job and a half
     core._jobs, core._answers = queue.SimpleQueue(), queue.SimpleQueue()
     calls = []
@@ -541,9 +486,7 @@ def test_gpu_thread_publishes_metrics_after_answers_and_at_most_every_interval(t
     thread.start()
     started = time.monotonic()
     for _ in range(3):  # three calls in quick succession: one publish for the first ...
-        core._jobs.put(
-            (["sender"], core._parse([SenderRequest(_core_request(prepared, schema))]), time.monotonic(), {})
-        )
+        core._jobs.put((["sender"], core._parse([SenderRequest(_core_request(prepared, schema))]), time.monotonic()))
         while core._answers.qsize() < 1:
             time.sleep(0.005)
         core._answers.get()

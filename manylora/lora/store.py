@@ -226,18 +226,11 @@ class AdapterStore:
             return sum(self._host_bytes.values())
 
     # ------------------------------------------------------------------ host tier
-    def locate(self, adapter_id: str) -> tuple[Path, Optional[tuple]]:
-        """The adapter's folder and the fingerprint of its files now (None: a file is missing;
-        the load then says which); raises AdapterError (NOT_FOUND). ``get`` takes it."""
-        return self._locate(adapter_id)
-
-    def get(self, adapter_id: str, located: Optional[tuple] = None) -> LoraAdapter:
+    def get(self, adapter_id: str) -> LoraAdapter:
         """The parsed adapter (from host memory, or disk when new or changed); raises AdapterError.
-        ``located``: ``locate``'s answer for it, from a moment ago (else it is checked now): the
-        adapter as its folder was then, or, when only the folder's later content is at hand, that.
 
         Waits only for this adapter's own load when one is already in flight."""
-        folder, fingerprint = self._locate(adapter_id) if located is None else located
+        folder, fingerprint = self._locate(adapter_id)
         refused = self._refusal(adapter_id, folder, fingerprint)
         if refused is not None:
             raise refused
@@ -282,14 +275,13 @@ class AdapterStore:
             # the load we waited for read an older version: look at the folder again
             folder, fingerprint = self._locate(adapter_id)
 
-    def prefetch(self, adapter_ids: Iterable[Optional[str]], located: Optional[dict] = None) -> dict[str, Future]:
+    def prefetch(self, adapter_ids: Iterable[Optional[str]]) -> dict[str, Future]:
         """Start loading what is not in host memory yet, on the loader threads; returns at once.
 
         One future (its LoraAdapter, or its AdapterError) per distinct id that is not in host
         memory. Ids already there get none and cost a dict lookup: they are marked most recent,
         so that the loads started here do not evict them, and are not looked up on disk again
-        (``get`` does that when it is used). ``located``: ``locate``'s answers by id, used
-        instead of checking those folders again."""
+        (``get`` does that when it is used)."""
         ids = dict.fromkeys(n for n in adapter_ids if n)
         with self._lock:
             missing = []
@@ -298,12 +290,9 @@ class AdapterStore:
                     self._host.move_to_end(name)
                 else:
                     missing.append(name)
-        located = located or {}
-        return {name: self._prefetch(name, False, True, located.get(name)) for name in missing}
+        return {name: self._prefetch(name, verify=False, count_miss=True) for name in missing}
 
-    def _prefetch(
-        self, adapter_id: str, verify: bool, count_miss: bool = False, located: Optional[tuple] = None
-    ) -> Future:
+    def _prefetch(self, adapter_id: str, verify: bool, count_miss: bool = False) -> Future:
         # count_miss: a load started for requests (a batch's prefetch) is their host miss;
         # a preload (control model, preload_adapters) is not a request and counts none
         if not verify:
@@ -315,7 +304,7 @@ class AdapterStore:
                 if adapter_id in self._loading:
                     return self._loading[adapter_id]
         try:
-            folder, fingerprint = self._locate(adapter_id) if located is None else located
+            folder, fingerprint = self._locate(adapter_id)
         except AdapterError as exc:
             return _failed(exc)
         refused = self._refusal(adapter_id, folder, fingerprint)
