@@ -161,6 +161,9 @@ class EngineConfig:
     # token budget) since session 12: H200, 16 fronts, c=1,024, same call, 1,024 adapters 2,192 ->
     # 3,341 req/s against 16384 (perf/README.md): the GPU stage's one process launches less
     cuda_graph_max_tokens: int = 65536
+    # GPU stage: the heads of entity-only chunks replayed as CUDA graphs (manylora.lora.head_graphs): one
+    # replay instead of ~230 operations a chunk, each of which can hand the GPU thread's interpreter lock over
+    cuda_graph_heads: bool = True
     chunk_pipeline: bool = True  # GPU stage: chunk k's host work while chunk k+1's forward runs (Engine._core_begin)
     # GPU stage: what one more chunk of a call is taken to cost, in padded tokens, when a call's rows are
     # cut into length-sorted chunks (Engine._budget_chunks): lower values cut more finely, with less
@@ -330,6 +333,12 @@ class EngineConfig:
             False,
             "GPU stage: 'on' (default) replays the encoder forward of each batch shape as a CUDA graph "
             "(captured on first use; one launch instead of ~300); 'off' launches every kernel (for A/B runs)",
+        ),
+        "cuda_graph_heads": (
+            _on_off,
+            False,
+            "GPU stage: 'on' (default) replays the heads of chunks whose span tasks are all entity tasks as CUDA "
+            "graphs (captured on first use; one replay instead of ~230 launches); 'off' launches them (for A/B runs)",
         ),
         "core_overlap": (
             _on_off,

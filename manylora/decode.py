@@ -58,4 +58,6 @@ def batch_to_device(batch, device: torch.device):
         for f in dataclasses.fields(batch)
         if isinstance(value := getattr(batch, f.name), torch.Tensor)
     }
-    return dataclasses.replace(batch, **moved)
+    out = dataclasses.replace(batch, **moved)
+    out.host = batch  # the host tensors too (the heads' CUDA graphs index words from the host)
+    return out

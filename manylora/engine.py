@@ -223,6 +223,11 @@ class Engine:
 
             max_tokens = min(config.max_batch_tokens, config.cuda_graph_max_tokens)
             self.graphs = EncoderGraphs(self.encoder, self.store, max_tokens)
+        if self.device.type == "cuda" and config.cuda_graph_heads:
+            from manylora.lora.head_graphs import HeadGraphs
+
+            self.heads.graphs = HeadGraphs(self.heads, self.encoder.geometry.hidden_size, self.dtype, self.device)
+            self.memory["head_graph_inputs"] = self.heads.graphs.bytes
         # True: the heads run GLiNER2's per-row list layout (compact_batch) for every chunk, as
         # they do anyway for attribute groups; False: the dense batch layout (tests compare them)
         self.list_heads = False
@@ -487,7 +492,7 @@ class Engine:
         if not self.list_heads and not any(any(row) for row in logit_tasks):
             schema_embs = self._schema_embeddings(batch, hidden)
             with self.heads.batch(batch, row_slots):
-                logits, plan = self.heads.span_logits_dense(batch, hidden)
+                logits, plan = self.heads.span_logits_dense(batch, hidden, t_min)
                 cls_probs = self.heads.classification_probabilities(batch, schema_embs)
             skipped = skipped_tasks(batch.task_types, schema_embs)
             return compact_dense_begin(logits, plan, cls_probs, t_min, skipped, [len(t) for t in batch.task_types])

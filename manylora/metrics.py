@@ -17,7 +17,7 @@ own adapter cache). Families:
     manylora_core_call_rows                        histogram: rows per GPU-stage engine call (merged batches)
     manylora_core_call_seconds                     histogram: such a call's start to its answers' delivery
     manylora_core_queue_seconds                    histogram: a GPU-stage request's wait before its call starts
-    manylora_cuda_graph_captures_total             counter: CUDA graphs captured (at load and on first use)
+    manylora_cuda_graph_captures_total             counter: CUDA graphs captured (at load and on first use; encoder and heads)
     manylora_cuda_graph_capture_seconds_total      counter: seconds those captures took in the GPU thread
     manylora_core_phase_seconds_total{phase}       counter: seconds of the GPU stage's steps and threads
 
@@ -118,10 +118,12 @@ class AdapterMetrics:
     def publish(self, engine) -> None:
         store = engine.store
         counters = [(key, metric, store.events[key]) for key, metric in self.cache.items()]
-        graphs = getattr(engine, "graphs", None)
-        if graphs is not None:
-            counters.append(("captures", self.captures, graphs.stats["captures"]))
-            counters.append(("capture_seconds", self.capture_seconds, graphs.stats["capture_seconds"]))
+        # the encoder's graphs and the heads' (lora.head_graphs) in one counter
+        kinds = [getattr(engine, "graphs", None), getattr(getattr(engine, "heads", None), "graphs", None)]
+        kinds = [g for g in kinds if g is not None]
+        if kinds:
+            counters.append(("captures", self.captures, sum(g.stats["captures"] for g in kinds)))
+            counters.append(("capture_seconds", self.capture_seconds, sum(g.stats["capture_seconds"] for g in kinds)))
         for phase, total in list(getattr(engine, "phase_seconds", {}).items()):
             if phase not in self.phases:
                 self.phases[phase] = self._phase_family.Metric(labels={**self._labels, "phase": phase})

@@ -477,16 +477,21 @@ def compact_dense_begin(
                 cls_total[r] += probs.numel()
                 cls_parts.append(probs.reshape(-1).to(torch.float64))
                 cls_dtype = probs.dtype if cls_dtype is None else cls_dtype
-    dtype = logits.dtype if logits is not None else cls_dtype
+    graphed = plan.get("graphed")  # (scores, mask) from a CUDA graph of the heads (lora.head_graphs)
+    spans = logits if graphed is None else graphed[0]
+    dtype = spans.dtype if spans is not None else cls_dtype
     active = plan["rows"]
-    gated = plan.get("counts") if logits is not None else None  # entity-only: counts still on the GPU
-    if logits is not None:
-        device = logits.device
-        width = logits.shape[-1]
+    gated = plan.get("counts") if spans is not None else None  # entity-only: counts still on the GPU
+    if spans is not None:
+        width = spans.shape[-1]
         for row, words, tasks in active:
             grids[row][:] = (words, width)
             for task, _, _, _ in tasks if gated is None else ():
                 counts[row][task] = pred_counts[row][task]
+    if graphed is not None:
+        scores, mask = graphed
+    elif logits is not None:
+        device = logits.device
         scores = torch.sigmoid(logits)
         # host lists -> device without a stream sync each (lora.batch.device_tensor)
         queries = device_tensor([sum(i * f for _, _, i, f in tasks) for _, _, tasks in active], device)

@@ -34,6 +34,8 @@ Designs (--design, several run one after the other, each with its own server):
   pipeline-eager-attention  the same with gliner2_core's fused_attention off: the bias tensor
             (kernels/relpos.py) and SDPA instead of kernels/disattn.py (the A/B of the kernel, on by
             default since session 13)
+  pipeline-eager-heads  the same with gliner2_core's cuda_graph_heads off: the heads of
+            entity-only chunks launched from Python instead of replayed as CUDA graphs (its A/B)
   pipeline-inflight  the same with the fronts' front_inflight 4: each front hands its batch's
             GPU-stage call and decoding to a pool thread and takes its next batch meanwhile (the A/B
             of the fronts' blocking call)
@@ -94,6 +96,7 @@ DESIGNS = (
     "pipeline-unpiped",
     "pipeline-unfused",
     "pipeline-eager-attention",
+    "pipeline-eager-heads",
     "pipeline-inflight",
     "pipeline-small-graphs",
     "pipeline-unfused-epilogue",
@@ -107,6 +110,7 @@ CORE_OVERRIDES = {
     "pipeline-unpiped": {"chunk_pipeline": "off"},
     "pipeline-unfused": {"fused_span_scores": "off"},
     "pipeline-eager-attention": {"fused_attention": "off"},
+    "pipeline-eager-heads": {"cuda_graph_heads": "off"},
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
     "pipeline-unfused-epilogue": {"fused_lora_epilogue": "off"},
     "pipeline-fine-chunks": {"chunk_cost_tokens": "2048"},

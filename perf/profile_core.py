@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-rows", type=int, default=16, help="gliner2_core's cuda_graph_warmup_rows")
     p.add_argument(
         "--ab",
-        default="chunk_pipeline,count_gate,fused_span_scores,fused_attention,fused_lora_epilogue",
+        default="chunk_pipeline,count_gate,cuda_graph_heads,fused_span_scores,fused_attention,fused_lora_epilogue",
         help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; group_shrinks: the q, k, v shrinks grouped or not)",
     )
     p.add_argument(
@@ -124,6 +124,17 @@ def main(argv=None) -> int:
         ab_lines.append(interleaved_ab("chunk_pipeline", engine, items, sync, args.repeats, set_pipeline, True))
     if "count_gate" in ab:
         ab_lines.append(interleaved_ab("count_gate", engine, items, sync, args.repeats, set_count_gate, True))
+    head_graphs = engine.heads.graphs
+    if head_graphs is not None and "cuda_graph_heads" in ab:
+
+        def set_head_graphs(on: bool) -> None:
+            engine.heads.graphs = head_graphs if on else None
+
+        set_head_graphs(False)  # the eager arm's rows first, then the graphs' (captured untimed)
+        eager = engine.run_core(items)
+        set_head_graphs(True)
+        ab_lines.append("cuda_graph_heads on vs off, same rows: " + compare_rows(engine.run_core(items), eager))
+        ab_lines.append(interleaved_ab("cuda_graph_heads", engine, items, sync, args.repeats, set_head_graphs, True))
     span_kernel = engine.heads.span_kernel
     if engine.config.backend == "triton" and "fused_span_scores" in ab:
         ab_lines.append(
@@ -183,6 +194,8 @@ def main(argv=None) -> int:
     profile.dump_stats(args.out / "core.prof")  # the whole profile, for pstats (callers, callees)
     best = min(walls)
     graphs = "" if engine.graphs is None else f", graphs {engine.graphs.stats}"
+    if engine.heads.graphs is not None:
+        graphs += f", head graphs {engine.heads.graphs.stats}"
     lines = [
         f"device {device}, rows {args.rows}, adapters {len(names)}, cuda_graphs {args.cuda_graphs}{graphs}: "
         f"run_core {best * 1e3:.1f} ms "

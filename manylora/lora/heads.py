@@ -101,6 +101,8 @@ class HeadLoras:
         # entity-only chunks: the count gates the hits on the GPU instead of a wait for it in the
         # heads (span_logits_dense); False waits as for other tasks (perf/profile_core.py's A/B)
         self.count_gate = True
+        # CUDA graphs of entity-only chunks' heads (manylora.lora.head_graphs.HeadGraphs), or None
+        self.graphs = None
         for prefix in HEAD_MODULES:
             root = getattr(model, prefix, None)
             if root is None:
@@ -156,19 +158,28 @@ class HeadLoras:
         chosen = self._layers(prefixes) if active else []
         call = None
         if chosen and rows is not None:
-            # the rows' gather index and mask once for all chosen layers (three launches fewer per layer)
             slots = rows_on_device
             if slots is None:
                 slots = device_tensor(list(rows), next(iter(self.linears.values())).base.weight.device)
             # the mask only where a row has no adapter (None: every row is selected)
-            mask = None if all(s >= 0 for s in rows) else (slots >= 0).view(-1, 1, 1)
-            index = slots.clamp(min=0)
-            # every module's scale of each row, gathered once for all chosen layers
-            dtype = chosen[0].base.weight.dtype
-            scales = self.store.scale_table.index_select(1, index).to(dtype).view(-1, len(rows), 1, 1)
-            call = ("rows", index, mask, scales)
+            call = self._rows_call(chosen, slots, masked=not all(s >= 0 for s in rows))
         elif chosen:
             call = ("single", single)
+        with self._calls(chosen, call):
+            yield
+
+    def _rows_call(self, chosen: list, slots: torch.Tensor, masked: bool) -> tuple:
+        """The per-row call of ``HeadLoraLinear`` for ``slots`` (on the device, -1: no adapter): the
+        rows' gather index, their mask (when ``masked``) and every module's scale of each row,
+        once for all ``chosen`` layers (three launches fewer per layer)."""
+        index = slots.clamp(min=0)
+        mask = (slots >= 0).view(-1, 1, 1) if masked else None
+        dtype = chosen[0].base.weight.dtype
+        scales = self.store.scale_table.index_select(1, index).to(dtype).view(-1, slots.shape[0], 1, 1)
+        return ("rows", index, mask, scales)
+
+    @contextmanager
+    def _calls(self, chosen: list, call):
         for module in chosen:
             module.call[0] = call
         try:
@@ -176,6 +187,15 @@ class HeadLoras:
         finally:
             for module in chosen:
                 module.call[0] = None
+
+    @contextmanager
+    def slots_on_device(self, prefixes: tuple[str, ...], slots: Optional[torch.Tensor]):
+        """``_set`` for slots only on the device (-1: no adapter), always through the per-row path
+        with its mask: the same launches whatever the slots hold (a CUDA graph's body,
+        ``manylora.lora.head_graphs``). ``slots`` None: no head LoRA."""
+        chosen = self._layers(prefixes) if self.store is not None and slots is not None else []
+        with self._calls(chosen, self._rows_call(chosen, slots, masked=True) if chosen else None):
+            yield
 
     def span_logits(self, batch, all_token_embs, all_schema_embs):
         """GLiNER2's direct span logits for a whole batch, with each row's head LoRA.
@@ -240,7 +260,7 @@ class HeadLoras:
             raw_logits[row][task] = task_logits.reshape(count_dim, field_dim, *task_logits.shape[-2:])
         return raw_logits, pred_counts
 
-    def span_logits_dense(self, batch, hidden: torch.Tensor):
+    def span_logits_dense(self, batch, hidden: torch.Tensor, t_min: Optional[Sequence[float]] = None):
         """``span_logits`` for a whole batch without a tensor operation per row.
 
         ``hidden``: the [B, L, H] token states GLiNER2's heads read (``encode_padded``). Gathers
@@ -251,6 +271,11 @@ class HeadLoras:
         ``(logits [A, Q, Lw, W] or None, plan)``; ``plan`` holds, per active row, its batch row,
         word count and ``(task, first query, count, fields)`` of each span task with logits,
         and ``pred_counts[row][task]`` for every row.
+
+        An entity-only chunk (the count gate) replays a CUDA graph of the whole step when
+        ``graphs`` is set and each row's lowest threshold ``t_min`` is given
+        (``manylora.lora.head_graphs``): then the logits are None and ``plan["graphed"]`` holds
+        the scores and the mask of hits that ``post.compact_dense_begin`` would compute.
 
         Measured (H200, perf/profile_core.py): the per-row gathers, stacks, concatenations and
         padding copies of the list path were about half of the GPU stage's host time per row.
@@ -296,6 +321,16 @@ class HeadLoras:
                     counted.append((row, task, positions, 1))
                     counted_records.append(k)
             layout = self._dense_layout(batch, counted, counted_records, slots, len(records)) if counted else None
+            if layout is not None and self.graphs is not None and t_min is not None:
+                from manylora.post import dtype_floor
+
+                done = self.graphs.run(hidden, batch, records, count_slots, layout, t_min, dtype_floor)
+                if done is not None:
+                    scores, mask, counts = done
+                    plan["counts"] = (counts, [(row, task) for row, task, _ in records])
+                    plan["rows"] = layout["plan_rows"]
+                    plan["graphed"] = (scores, mask)
+                    return None, plan
             on_device = device_lists(list(prompts) + (layout["lists"] if layout else []), device)
         else:
             on_device = device_lists(list(prompts), device)
@@ -436,13 +471,17 @@ class HeadLoras:
         ``initial`` [sum M, H] (tasks in order), each field with its row's slot
         (``field_slots``; ``on_device``: the same on the GPU, if already there): the
         [max(steps), sum M, H] projections, of which each task keeps its own first steps."""
+        with self._set(("count_embed",), rows=field_slots, rows_on_device=on_device):
+            return self.count_embed_steps(max(steps), initial)
+
+    def count_embed_steps(self, longest: int, initial: torch.Tensor) -> torch.Tensor:
+        """GLiNER2's CountLSTM over ``longest`` steps for the field embeddings ``initial`` [M, H],
+        with the head LoRA the caller set on ``count_embed``: [longest, M, H]."""
         embed = self.model.count_embed
-        longest = max(steps)
         positions = embed.pos_embedding(torch.arange(longest, device=initial.device))
         states = embed.gru(positions.unsqueeze(1).expand(longest, initial.shape[0], initial.shape[1]), initial)
         joined = torch.cat([states, initial.unsqueeze(0).expand_as(states)], dim=-1).transpose(0, 1)
-        with self._set(("count_embed",), rows=field_slots, rows_on_device=on_device):
-            return embed.projector(joined).transpose(0, 1)  # [longest, sum M, H]
+        return embed.projector(joined).transpose(0, 1)  # [longest, M, H]
 
     def classification_probabilities(self, batch, all_schema_embs) -> list[list[Optional[torch.Tensor]]]:
         """Each (row, classification task)'s class probabilities, each row with its own head LoRA
