@@ -332,7 +332,7 @@ class EngineConfig:
             _on_off,
             False,
             "GPU stage: 'on' (default) replays the encoder forward of each batch shape as a CUDA graph "
-            "(captured on first use; one launch instead of ~300); 'off' launches every kernel (for A/B runs)",
+            "(captured on first use; one launch instead of ~300); 'off' launches every encoder kernel (for A/B runs; the heads' graphs are cuda_graph_heads)",
         ),
         "cuda_graph_heads": (
             _on_off,

@@ -115,6 +115,23 @@ def padded_bound(max_tokens: int, max_length: int = 512) -> int:
     return bound
 
 
+def capture(run, pool, stream: torch.cuda.Stream, device) -> tuple:
+    """``run()`` captured as a CUDA graph into ``pool``: (the graph, what ``run`` returned). On a
+    side stream, as torch.cuda.graph does, but without its synchronize + gc.collect +
+    empty_cache: a capture in the serving GPU thread must not drop the allocator's cache for
+    every other shape."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, out
+
+
 class StaticLoraBatch(LoraBatch):
     """``LoraBatch`` over static tensors for a graph of ``rows`` x ``row_len`` tokens.
 
@@ -335,20 +352,7 @@ class EncoderGraphs:
                 self._forward(graph)  # warm-up: compiles kernels, fills the shape caches
                 if lora is not None:
                     lora.forget_scratch()
-                # captured on a side stream, as torch.cuda.graph does, but without its
-                # synchronize + gc.collect + empty_cache: a capture in the serving GPU thread
-                # must not drop the allocator's cache for every other shape
-                stream = self.capture_stream
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                cuda_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(stream):
-                    cuda_graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                    try:
-                        self._forward(graph)
-                    finally:
-                        cuda_graph.capture_end()
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph.graph = cuda_graph
+                graph.graph, _ = capture(lambda: self._forward(graph), self.pool, self.capture_stream, self.device)
         except Exception as exc:  # out of memory, an uncapturable op: this key stays eager
             logger.warning(
                 "CUDA graph capture of %s failed (%s: %s); that shape runs eagerly", key[:2], type(exc).__name__, exc

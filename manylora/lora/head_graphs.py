@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from manylora.graphs import length_bucket, row_bucket
+from manylora.graphs import capture, length_bucket, row_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -251,17 +251,7 @@ class HeadGraphs:
         try:
             self._fill(shape, hidden, ints, floors)
             self._body(shape)  # warm-up: compiles kernels, fills the shape caches
-            stream = self.capture_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):  # as graphs.EncoderGraphs: no empty_cache in the GPU thread
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    shape.out = self._body(shape)
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            shape.graph = graph
+            shape.graph, shape.out = capture(lambda: self._body(shape), self.pool, self.capture_stream, self.device)
         except Exception as exc:  # an uncapturable operation, out of memory: this key stays eager
             logger.warning(
                 "CUDA graph capture of the heads %s failed (%s: %s); they run eagerly", key[:5], type(exc).__name__, exc

@@ -62,6 +62,24 @@ def test_graph_captures_are_published_as_deltas():
     assert metrics.cache[("miss", "gpu")].value == 3 and metrics.cache[("hit", "gpu")].value == 0
 
 
+def test_the_heads_graphs_captures_join_the_encoder_graphs_in_one_counter():
+    """cuda_graph_heads: the heads' graphs (lora.head_graphs) keep their own statistics; the
+    published counters are the sum of both kinds, and of the heads' alone with the encoder's off."""
+    metrics = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "0"})
+    engine = _engine({"replays": 0, "captures": 104, "eager": 0, "capture_seconds": 7.5})
+    heads = {"replays": 9, "captures": 6, "eager": 1, "capture_seconds": 0.5}
+    engine.heads = SimpleNamespace(graphs=SimpleNamespace(stats=heads))
+    metrics.publish(engine)
+    assert (metrics.captures.value, metrics.capture_seconds.value) == (110, 8.0)
+    heads.update(captures=9, capture_seconds=1.25)
+    metrics.publish(engine)
+    assert (metrics.captures.value, metrics.capture_seconds.value) == (113, 8.75)
+    alone = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "1"})
+    engine.graphs = None  # cuda_graphs off, cuda_graph_heads on
+    alone.publish(engine)
+    assert (alone.captures.value, alone.capture_seconds.value) == (9, 1.25)
+
+
 def test_an_engine_without_graphs_publishes_its_cache_and_leaves_the_graph_counters():
     """On the CPU (no CUDA graphs) the engine has graphs None: publishing must still carry the
     cache counters, and graph counters once published are neither reset nor counted again."""
