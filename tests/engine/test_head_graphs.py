@@ -12,12 +12,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_dense_heads import DEVICE, EDGE_TEXTS, _assert_same_hits, _rows
 
 from manylora.config import EngineConfig
 from manylora.demo import demo_texts
 from manylora.engine import Engine, Request
 from manylora.lora.head_graphs import HeadGraphs, count_bucket
-from tests.engine.test_dense_heads import DEVICE, EDGE_TEXTS, _assert_same_hits, _rows
 
 
 @pytest.fixture(scope="module")
