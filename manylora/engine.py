@@ -633,14 +633,23 @@ class Engine:
             for chunk in chunks if not self.config.chunk_pipeline else ():  # the A/B's other arm
                 self._run_chunk(chunk, out)
             for chunk in chunks if self.config.chunk_pipeline else ():
-                launched = self._timed("forward", self._step, self.forward, chunk, out)  # A
+                failed = None
+                try:
+                    launched = self._timed("forward", self.forward, chunk)  # A
+                except Exception as exc:
+                    launched, failed = None, exc
                 if pending is not None:
                     self._timed("finish", self._finish_chunk, pending, out)  # C of the chunk before
                 elif between is not None:
                     between()
                     between = None
                 pending = None
-                if launched is not None:
+                if failed is not None:
+                    # answered without the pipeline only now, after the step C above: a rerun replays
+                    # the heads' CUDA graphs, whose outputs that C reads (lora.head_graphs)
+                    self._recover(chunk, out, failed)
+                    failed = None  # its traceback holds this frame
+                elif launched is not None:
                     pending = self._timed("heads", self._step, self._heads_chunk, chunk, out, launched)  # B
                 launched = None  # chunk k's states are not kept through chunk k+1's forward
 

@@ -25,8 +25,11 @@ How:
   one graph serves any mix of adapters. In bfloat16 its roundings may differ from the eager
   path's single-adapter GEMMs by a step (tests/engine/test_head_graphs.py compares hits with the
   GPU tolerance of test_dense_heads).
-* Outputs (scores, mask, counts) live in the graphs' pool and stay valid until the next replay:
-  the engine's step C reads them (and its copy to the host returns) before the next chunk's B.
+* Outputs (scores, mask, counts) live in the graphs' pool and stay valid until the next replay
+  (of any heads graph: they share the pool): the engine's step C reads them, its copy to the
+  host returned, before any other chunk's heads run, a chunk run again after a failure
+  included (``Engine._core_begin``). Each graph keeps its outputs (for the base size and five
+  labels, up to ~25 MB a shape; more with many labels): memory beyond the load-time statement.
 
 On the CPU (tests) the same padded body runs eagerly on the same buffers (``capture=False``).
 """
@@ -257,6 +260,7 @@ class HeadGraphs:
                 "CUDA graph capture of the heads %s failed (%s: %s); they run eagerly", key[:5], type(exc).__name__, exc
             )
             self.eager.add(key)
+            self.stats["eager"] += 1
             torch.cuda.synchronize(self.device)
             return None
         self.shapes[key] = shape

@@ -247,6 +247,40 @@ def test_chunk_pipeline_order_and_a_failing_host_step(tiny_engine, reference_mod
     _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
 
 
+def test_a_failing_forward_is_run_again_after_the_chunk_before_is_finished(tiny_engine, reference_model, monkeypatch):
+    """Chunk k+1's forward (A) raises once: chunk k's host step C runs first, then chunk k+1 is
+    answered without the pipeline. A rerun replays the heads' CUDA graphs on a GPU, whose
+    outputs chunk k's C still reads (lora.head_graphs), so the order matters; every answer
+    still equals GLiNER2's."""
+    cases = _cases()[:40]
+    steps: list[str] = []
+    real_forward, real_begin = tiny_engine.forward, tiny_engine.compact_begin
+
+    def forward(chunk):
+        steps.append("A")
+        if steps.count("A") == 2:
+            steps.append("!")
+            raise RuntimeError("simulated forward failure")
+        return real_forward(chunk)
+
+    def compact_begin(chunk, *launched):
+        steps.append("B")
+        finish = real_begin(chunk, *launched)
+
+        def finish_logged():
+            steps.append("C")
+            return finish()
+
+        return finish_logged
+
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=1024))
+    monkeypatch.setattr(tiny_engine, "forward", forward)
+    monkeypatch.setattr(tiny_engine, "compact_begin", compact_begin)
+    got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+    assert "".join(steps).startswith("ABA!CAB"), steps  # C of chunk 0, then chunk 1 run again
+    _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
+
+
 def test_a_chunk_run_again_in_the_pipeline_leaves_the_next_chunk_its_adapters(
     tiny_checkpoint, demo_adapters, peft_reference, monkeypatch
 ):
