@@ -210,40 +210,49 @@ def test_out_of_memory_splits_the_batch(tiny_engine, reference_model, monkeypatc
     _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
 
 
-def test_chunk_pipeline_order_and_a_failing_host_step(tiny_engine, reference_model, monkeypatch):
-    """Several chunks run as a pipeline: chunk k's host step C (its rows) comes after chunk
-    k+1's forward (A) and before its heads (B). A chunk whose C raises is answered again
-    without the pipeline; every answer still equals GLiNER2's."""
+def _pipeline_steps(engine, monkeypatch, failing: str) -> tuple[list, list]:
+    """Run 40 cases in chunks of a 1,024-token budget, logging each chunk step (A forward, B
+    heads, C host step) in ``steps``; the second chunk's ``failing`` step ("A" or "C") raises
+    once, logged as "!" after it. Returns (steps, the answers)."""
     cases = _cases()[:40]
     steps: list[str] = []
-    real_forward, real_begin = tiny_engine.forward, tiny_engine.compact_begin
-    failed: list[int] = []
+    real_forward, real_begin = engine.forward, engine.compact_begin
+
+    def fail_once(step: str) -> None:
+        steps.append(step)
+        if step == failing and steps.count(step) == 2 and "!" not in steps:
+            steps.append("!")
+            raise RuntimeError(f"simulated failure in step {step}")
 
     def forward(chunk):
-        steps.append("A")
+        fail_once("A")
         return real_forward(chunk)
 
     def compact_begin(chunk, *launched):
         steps.append("B")
         finish = real_begin(chunk, *launched)
-        k = steps.count("B")
 
-        def failing_finish():
-            steps.append("C")
-            if k == 2 and not failed:  # the second chunk's host step fails once
-                failed.append(k)
-                raise RuntimeError("simulated")
+        def logged_finish():
+            fail_once("C")
             return finish()
 
-        return failing_finish
+        return logged_finish
 
-    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=1024))
-    monkeypatch.setattr(tiny_engine, "forward", forward)
-    monkeypatch.setattr(tiny_engine, "compact_begin", compact_begin)
-    got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
-    assert failed == [2]
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_batch_tokens=1024))
+    monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(engine, "compact_begin", compact_begin)
+    return steps, engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+
+
+def test_chunk_pipeline_order_and_a_failing_host_step(tiny_engine, reference_model, monkeypatch):
+    """Several chunks run as a pipeline: chunk k's host step C (its rows) comes after chunk
+    k+1's forward (A) and before its heads (B). A chunk whose C raises is answered again
+    without the pipeline; every answer still equals GLiNER2's."""
+    steps, got = _pipeline_steps(tiny_engine, monkeypatch, failing="C")
+    assert "!" in steps
     pipelined = "".join(steps).split("ABC")[0]  # up to the chunk the failure runs again alone
-    assert pipelined.startswith("ABACBAC"), steps
+    assert pipelined.startswith("ABACBAC!"), steps
+    cases = _cases()[:40]
     _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
 
 
@@ -252,32 +261,9 @@ def test_a_failing_forward_is_run_again_after_the_chunk_before_is_finished(tiny_
     answered without the pipeline. A rerun replays the heads' CUDA graphs on a GPU, whose
     outputs chunk k's C still reads (lora.head_graphs), so the order matters; every answer
     still equals GLiNER2's."""
-    cases = _cases()[:40]
-    steps: list[str] = []
-    real_forward, real_begin = tiny_engine.forward, tiny_engine.compact_begin
-
-    def forward(chunk):
-        steps.append("A")
-        if steps.count("A") == 2:
-            steps.append("!")
-            raise RuntimeError("simulated forward failure")
-        return real_forward(chunk)
-
-    def compact_begin(chunk, *launched):
-        steps.append("B")
-        finish = real_begin(chunk, *launched)
-
-        def finish_logged():
-            steps.append("C")
-            return finish()
-
-        return finish_logged
-
-    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, max_batch_tokens=1024))
-    monkeypatch.setattr(tiny_engine, "forward", forward)
-    monkeypatch.setattr(tiny_engine, "compact_begin", compact_begin)
-    got = tiny_engine.run([Request(t, json.dumps(s), include_confidence=True) for t, s in cases])
+    steps, got = _pipeline_steps(tiny_engine, monkeypatch, failing="A")
     assert "".join(steps).startswith("ABA!CAB"), steps  # C of chunk 0, then chunk 1 run again
+    cases = _cases()[:40]
     _assert_same(got, _reference(reference_model, cases, include_confidence=True), cases)
 
 
