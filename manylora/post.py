@@ -499,15 +499,7 @@ def compact_dense_begin(
         floors = device_tensor(
             [dtype_floor(float(t_min_per_row[row]), scores.dtype) for row, _, _ in active], device, torch.float64
         ).to(scores.dtype)  # exact: each floor is a value of scores.dtype
-        q_axis = torch.arange(scores.shape[1], device=device).view(1, -1, 1, 1)
-        l_axis = torch.arange(scores.shape[2], device=device).view(1, 1, -1, 1)
-        mask = (
-            (scores >= floors.view(-1, 1, 1, 1))
-            & (q_axis < queries.view(-1, 1, 1, 1))
-            & (l_axis < lengths.view(-1, 1, 1, 1))
-        )
-        if gated is not None:  # no hits for a task whose count is 0, as GLiNER2 scores none
-            mask &= plan["query_gate"].view(*plan["query_gate"].shape, 1, 1)
+        mask = hit_mask(scores, floors, queries, lengths, plan["query_gate"] if gated is not None else None)
     else:
         scores = mask = None
 
@@ -516,6 +508,28 @@ def compact_dense_begin(
         return _compact_dense_rows(*rows, gated, cls_dtype)
 
     return finish
+
+
+def hit_mask(
+    scores: torch.Tensor,
+    floors: torch.Tensor,
+    queries: torch.Tensor,
+    lengths: torch.Tensor,
+    gate: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Which of the padded ``scores`` [A, Q, L, W] are hits: at or above the row's floor (in
+    ``scores``' dtype), within its ``queries`` and ``lengths`` (words), and, with ``gate`` [A, Q],
+    of a task whose count is above 0 (GLiNER2 scores none of a task counted 0)."""
+    q_axis = torch.arange(scores.shape[1], device=scores.device).view(1, -1, 1, 1)
+    l_axis = torch.arange(scores.shape[2], device=scores.device).view(1, 1, -1, 1)
+    mask = (
+        (scores >= floors.view(-1, 1, 1, 1))
+        & (q_axis < queries.view(-1, 1, 1, 1))
+        & (l_axis < lengths.view(-1, 1, 1, 1))
+    )
+    if gate is not None:
+        mask &= gate.view(*gate.shape, 1, 1)
+    return mask
 
 
 def _row_views(sizes: Sequence[int]) -> list[np.ndarray]:

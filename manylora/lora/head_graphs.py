@@ -43,7 +43,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from manylora.graphs import capture, length_bucket, row_bucket
+from manylora.graphs import ROW_BUCKETS, capture, length_bucket, row_bucket
+from manylora.lora.heads import query_gate
+from manylora.post import hit_mask
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +53,17 @@ logger = logging.getLogger(__name__)
 # buffer is this many rows of the hidden size (~200 MB for GLiNER2-base in bfloat16); a token
 # budget of 65,536 tokens has at most that many words, plus the buckets' padding.
 STATE_ROWS = 1 << 17
+MAX_COUNT = 16384  # records or fields of one graph, padded
+MAX_QUERY_SLOTS = 16384  # active rows x queries per row of one graph, padded
 MAX_GRAPHS = 512
 
 
 def count_bucket(n: int) -> Optional[int]:
-    """Records or fields padded: the rows buckets up to 1,024, then multiples of 256 up to 16,384."""
+    """Records or fields padded: the rows buckets up to 1,024, then multiples of 256 up to MAX_COUNT."""
     if n <= 1024:
         return row_bucket(max(n, 1))
     padded = -(-n // 256) * 256
-    return padded if padded <= 16384 else None
+    return padded if padded <= MAX_COUNT else None
 
 
 class _Shape:
@@ -97,9 +101,11 @@ class HeadGraphs:
         self.heads = heads
         self.device = torch.device(device)
         self.capture = capture
-        int_cap = STATE_ROWS + 8 * 16384 + 4 * 1024
+        rows = ROW_BUCKETS[-1]
+        # _Shape's views at their largest: gather, records' and fields' slots, 4 per row, 2 per query slot
+        int_cap = STATE_ROWS + 2 * MAX_COUNT + 4 * rows + 2 * MAX_QUERY_SLOTS
         self.ints = torch.zeros(int_cap, dtype=torch.int64, device=self.device)
-        self.floats = torch.zeros(1024, dtype=torch.float64, device=self.device)
+        self.floats = torch.zeros(rows, dtype=torch.float64, device=self.device)
         self.states = torch.zeros(STATE_ROWS, hidden, dtype=dtype, device=self.device)
         self.shapes: dict[tuple, _Shape] = {}
         self.eager: set[tuple] = set()  # keys whose capture failed
@@ -117,7 +123,7 @@ class HeadGraphs:
         if None in shape:
             return None
         a, w, r, f = shape
-        if a > self.floats.shape[0] or r + f + a * w > STATE_ROWS or a * queries > 16384:
+        if r + f + a * w > STATE_ROWS or a * queries > MAX_QUERY_SLOTS:
             return None
         return (a, w, r, f, queries, lora, bool(self.heads.span_kernel))
 
@@ -135,10 +141,10 @@ class HeadGraphs:
         (rows past ``layout['active']`` and words past each row's count have no hit); None when
         this chunk's shape has no graph (the caller runs the eager path). ``floor(t, dtype)``:
         the lowest score of ``dtype`` at or above threshold ``t`` (post.dtype_floor)."""
-        field_rows, field_pos, field_slots, active, span_slots, lengths = layout["lists"][:6]
-        n_rec, n_fields, n_rows, width_q = len(records), len(field_rows), len(active), layout["width_q"]
+        field_rows, active, span_slots = layout["lists"][0], layout["lists"][3], layout["lists"][4]
+        n_rec, n_rows = len(records), len(active)
         lora = any(s >= 0 for s in count_slots) or any(s >= 0 for s in span_slots)
-        key = self.key(n_rows, layout["max_words"], n_rec, n_fields, width_q, lora)
+        key = self.key(n_rows, layout["max_words"], n_rec, len(field_rows), layout["width_q"], lora)
         if key is None or key in self.eager:
             self.stats["eager"] += 1
             return None
@@ -146,8 +152,7 @@ class HeadGraphs:
         if shape is None and len(self.shapes) >= MAX_GRAPHS:
             self.stats["eager"] += 1
             return None
-        length = hidden.shape[1]
-        ints = self._ints(key, hidden, batch, records, count_slots, layout, length)
+        ints = self._ints(key, hidden.shape[1], batch, records, count_slots, layout)
         floors = [floor(float(t_min[row]), hidden.dtype) for row in active] + [np.inf] * (key[0] - n_rows)
         if shape is None:
             shape = self._capture(key, hidden, ints, floors)
@@ -162,8 +167,9 @@ class HeadGraphs:
         self.stats["replays"] += 1
         return scores, mask, counts[:n_rec]
 
-    def _ints(self, key, hidden, batch, records, count_slots, layout, length) -> np.ndarray:
-        """The graph's index inputs, padded, in ``_Shape``'s order."""
+    def _ints(self, key, length: int, batch, records, count_slots, layout) -> np.ndarray:
+        """The graph's index inputs, padded, in ``_Shape``'s order (``length``: the chunk's
+        states' padded length, for flat indices into them)."""
         rows_b, words_b, rec_b, fields_b, width_q = key[:5]
         field_rows, field_pos, field_slots, active, span_slots, lengths = layout["lists"][:6]
         n_rec, n_rows = len(records), len(active)
@@ -228,21 +234,14 @@ class HeadGraphs:
         with heads.slots_on_device(("count_embed",), v["field_slots"] if shape.lora else None):
             projected = heads.count_embed_steps(1, initial)[0]  # [fields, H]: step 0 (entity tasks)
         queries = projected[v["query_src"]].view(rows, width_q, -1)
-        gate = (torch.cat([counts, counts.new_zeros(1)])[v["gate_index"]] > 0).view(rows, width_q, 1, 1)
         lengths = v["lengths"]
         in_row = torch.arange(words, device=tokens.device).view(1, -1) < lengths.view(-1, 1)
         tokens = torch.where(in_row.unsqueeze(-1), tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
         with heads.slots_on_device(("span_rep",), v["span_slots"] if shape.lora else None):
             logits = heads._span_scores(tokens, queries, lengths)
         scores = torch.sigmoid(logits)
-        q_axis = torch.arange(width_q, device=tokens.device).view(1, -1, 1, 1)
-        l_axis = torch.arange(words, device=tokens.device).view(1, 1, -1, 1)
-        mask = (
-            (scores >= shape.floors.to(scores.dtype).view(-1, 1, 1, 1))
-            & (q_axis < v["n_queries"].view(-1, 1, 1, 1))
-            & (l_axis < lengths.view(-1, 1, 1, 1))
-            & gate
-        )
+        gate = query_gate(counts, v["gate_index"]).view(rows, width_q)
+        mask = hit_mask(scores, shape.floors.to(scores.dtype), v["n_queries"], lengths, gate)
         return scores, mask, counts
 
     def _capture(self, key: tuple, hidden: torch.Tensor, ints: np.ndarray, floors: list) -> Optional[_Shape]:

@@ -372,8 +372,7 @@ class HeadLoras:
             queries[flat_dest] = flat[source]
             queries = queries.reshape(len(active), width_q, hidden_size)
         if gated:  # [A, Q]: whether each query's task has a count above 0 (padding: False)
-            counts_padded = torch.cat([count_out, count_out.new_zeros(1)])
-            plan["query_gate"] = (counts_padded[gate_index] > 0).view(len(active), width_q)
+            plan["query_gate"] = query_gate(count_out, gate_index).view(len(active), width_q)
         max_words = layout["max_words"]
         word_index = batch.text_word_indices[:, :max_words].to(device)[active_t]
         word_mask = batch.text_word_mask[:, :max_words].to(device)[active_t]
@@ -537,6 +536,12 @@ class HeadLoras:
             out.append(projected[:count, start : start + f.shape[0]])
             start += f.shape[0]
         return out
+
+
+def query_gate(counts: torch.Tensor, gate_index: torch.Tensor) -> torch.Tensor:
+    """Whether each padded query's task has a count above 0: ``gate_index`` holds each query's
+    task as its index in ``counts`` (the records' counts), ``len(counts)`` for padding (never)."""
+    return torch.cat([counts, counts.new_zeros(1)])[gate_index] > 0
 
 
 def classification_config(prompt: str, classifications: Sequence[dict]) -> Optional[dict]:
