@@ -308,11 +308,13 @@ class Engine:
             torch.cuda.empty_cache()
         memory["activations"] = torch.cuda.max_memory_allocated(self.device) - resident
         logger.info(
-            "GPU memory of %s: weights %s, %d adapter slots %s, activations of one token budget %s; cap %s of %s",
+            "GPU memory of %s: weights %s, %d adapter slots %s, heads' graph inputs %s, activations of one token "
+            "budget %s; cap %s of %s",
             self.device,
             _gib(memory["weights"]),
             config.max_gpu_adapters,
             _gib(memory["adapter_slots"]),
+            _gib(memory.get("head_graph_inputs", 0)),
             _gib(memory["activations"]),
             _gib(memory["cap"]),
             _gib(memory["total"]),
