@@ -88,9 +88,17 @@ def main(argv=None) -> int:
         finish = engine.compact_begin(chunk, batch, states, slots)
 
     requests_in = [Request(t, schema) for t in texts]
+    # a stream's new words (amounts, names): each repeat other texts, so the word cache misses
+    fresh = iter(
+        [
+            [Request(t, schema) for t in demo_texts(args.rows, seed=1000 + k, min_words=60, max_words=120)]
+            for k in range(args.repeats)
+        ]
+    )
     deadline = CallDeadline(20.0)
     steps = {
         "front: pre (Preprocessor.prepare)": lambda: [engine.pre.prepare(i, r) for i, r in enumerate(requests_in)],
+        "front: pre, texts not seen before": lambda: [engine.pre.prepare(i, r) for i, r in enumerate(next(fresh))],
         # the thread each front batch's BLS call runs on (core_timeout), here around a no-op call
         "front: the GPU-stage call's deadline (CallDeadline.call, one per 16 rows)": lambda: [
             deadline.call(lambda: None) for _ in requests

@@ -31,12 +31,21 @@ def _fields(record):
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
 
 
+def _own_processor(model):
+    """A shallow copy of the model's processor for a RecordBuilder, which puts its bounded
+    token cache (new words through the tokenizers backend) on the processor it is given: the
+    reference's own processor keeps GLiNER2's tokenization for the tests after this one."""
+    import copy
+
+    return copy.copy(model.processor)
+
+
 @pytest.mark.parametrize("schema_index", range(len(demo_schemas())))
 def test_records_equal_gliner2(reference_model, schema_index):
     from gliner2.inference.schema import Schema
 
     processor = reference_model.processor
-    builder = RecordBuilder(processor)
+    builder = RecordBuilder(_own_processor(reference_model))
     schema = Schema.from_dict(demo_schemas()[schema_index]).build()
     part = builder.schema_part(schema)
     for text in TEXTS:
@@ -51,7 +60,7 @@ def test_pad_batch_equals_gliner2(reference_model):
     from gliner2.inference.schema import Schema
 
     processor = reference_model.processor
-    builder = RecordBuilder(processor)
+    builder = RecordBuilder(_own_processor(reference_model))
     parts = [builder.schema_part(Schema.from_dict(d).build()) for d in demo_schemas()]
     records = [builder.record(text, parts[i % len(parts)]) for i, text in enumerate(TEXTS * 2)]
     import numpy as np
@@ -240,6 +249,7 @@ def test_a_fronts_skeleton_prepares_and_decodes_like_the_loaded_model(tiny_check
     """A CPU front loads GLiNER2 on the meta device (no weights): its records, decoding
     metadata and thresholds are those of the loaded model, and so is the architecture that
     PostDecoder.from_model reads (it refuses boundary checkpoints). The e2e tests run such fronts."""
+    import copy
     import json
 
     from manylora.client.protocol import Request
@@ -250,9 +260,69 @@ def test_a_fronts_skeleton_prepares_and_decodes_like_the_loaded_model(tiny_check
     skeleton = load_gliner2_skeleton(tiny_checkpoint)
     assert {p.device.type for p in skeleton.parameters()} == {"meta"}
     assert getattr(skeleton, "architecture", "span") == getattr(reference_model, "architecture", "span")
-    fronts = Preprocessor(skeleton, 512), Preprocessor(reference_model, 512)
+    reference = copy.copy(reference_model)
+    reference.processor = _own_processor(reference_model)
+    fronts = Preprocessor(skeleton, 512), Preprocessor(reference, 512)
     for k, text in enumerate(TEXTS):
         request = Request(text, json.dumps(demo_schemas()[k % len(demo_schemas())]), threshold=0.3 + 0.01 * k)
         got, expected = (front.prepare(k, request) for front in fronts)
         assert _fields(got.record) == _fields(expected.record), text
         assert (got.metadata, got.num_tokens, got.t_min) == (expected.metadata, expected.num_tokens, expected.t_min)
+
+
+@settings(max_examples=300, deadline=None)
+@given(word=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=24))
+def test_backend_word_pieces_equal_tokenize(reference_model, word):
+    """The front's tokenization of a new word (the backend's ``encode``) against transformers'
+    ``tokenize``, which GLiNER2 calls: any characters, spaces and GLiNER2's markers included."""
+    from manylora.preprocess import word_tokenizer
+
+    tokenizer = reference_model.processor.tokenizer
+    pieces = word_tokenizer(tokenizer)
+    assert pieces != tokenizer.tokenize  # the backend path is the one under test
+    assert pieces(word) == tokenizer.tokenize(word)
+
+
+def test_backend_word_pieces_defer_to_tokenize_when_truncating(reference_model):
+    """With the backend's truncation set (tokenize turns it off for its call), the pieces are
+    tokenize's: the whole word, not one piece."""
+    from manylora.preprocess import word_tokenizer
+
+    tokenizer = reference_model.processor.tokenizer
+    pieces = word_tokenizer(tokenizer)
+    whole = tokenizer.tokenize("ünïcödéwörds")
+    assert len(whole) > 1
+    tokenizer._tokenizer.enable_truncation(1)
+    try:
+        assert pieces("ünïcödéwörds") == whole
+    finally:
+        tokenizer._tokenizer.no_truncation()
+
+
+def test_word_pieces_fall_back_to_tokenize_when_a_probe_differs():
+    """A backend that splits some probe word otherwise is not used at all."""
+    from types import SimpleNamespace
+
+    from manylora.preprocess import word_tokenizer
+
+    class Tokenizer:
+        split_special_tokens = False
+
+        def __init__(self):
+            encode = lambda word, add_special_tokens: SimpleNamespace(tokens=list(word))  # noqa: E731
+            self._tokenizer = SimpleNamespace(truncation=None, padding=None, encode_special_tokens=False, encode=encode)
+
+        def tokenize(self, word):
+            return list(word) if word != "東京" else ["東", "##京"]
+
+    tokenizer = Tokenizer()
+    assert word_tokenizer(tokenizer) == tokenizer.tokenize
+
+
+def test_the_record_builder_tokenizes_new_words_through_the_backend(reference_model):
+    from manylora.preprocess import RecordBuilder
+
+    processor = _own_processor(reference_model)
+    RecordBuilder(processor)
+    assert processor._tokenize_cached.uncached != processor.tokenizer.tokenize
+    assert processor._tokenize_cached.uncached("qzxv2026") == processor.tokenizer.tokenize("qzxv2026")
