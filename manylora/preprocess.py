@@ -220,10 +220,11 @@ def word_tokenizer(tokenizer) -> Callable[[str], list]:
     that gives the same pieces.
 
     transformers' ``tokenize`` builds a one-item batch for the backend's ``encode_batch``
-    (validation, settings, a ``BatchEncoding``): 33 us a new word against 6.3 us for
-    ``encode`` on the 2-core CPU host (4,000 random words, the demo tokenizer, transformers
-    5.24). A front tokenizes the words its word cache has not seen: 0.65 a row in a steady
-    stream of demo texts, ~4 a row while its cache is new (each front has its own).
+    (validation, settings, a ``BatchEncoding``): 30.1 us a new word against 8.1 us for this
+    on the 2-core CPU host (``perf/bench_host_steps.py``, 4,000 random words, the demo
+    tokenizer, transformers 5.24). A front tokenizes the words its word cache has not seen:
+    ~0.65 a row in a steady stream of demo texts, ~4 a row while its cache is new (each front
+    has its own).
     ``tokenize`` runs ``encode_batch`` with the backend's truncation and padding off and its
     ``encode_special_tokens`` set to ``split_special_tokens``; ``encode`` is used only while the
     backend is in that state, and only if it split every probe word as ``tokenize`` did.

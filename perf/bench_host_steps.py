@@ -119,6 +119,29 @@ def main(argv=None) -> int:
                 step()
             best = min(best, time.perf_counter() - started)
         print(f"{name}: {best * 1e6 / args.rows:.1f} us/row (best of {args.repeats}, {args.rows} rows)")
+    # a word no cache holds: transformers' tokenize against the backend path pre uses
+    import random
+
+    from manylora.preprocess import word_tokenizer
+
+    rng = random.Random(7)
+    words = [
+        f"{rng.randint(0, 10**9)}" if k % 2 else "".join(rng.choices("abcdefghijklmnop", k=7)) for k in range(4000)
+    ]
+    tokenizer = engine.processor.tokenizer
+    for name, split in (
+        ("transformers' tokenize", tokenizer.tokenize),
+        ("pre's word_tokenizer", word_tokenizer(tokenizer)),
+    ):
+        best = float("inf")
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            for word in words:
+                split(word)
+            best = min(best, time.perf_counter() - started)
+        print(
+            f"front: a new word's pieces, {name}: {best * 1e6 / len(words):.1f} us/word (best of {args.repeats}, {len(words)} words)"
+        )
     return 0
 
 
