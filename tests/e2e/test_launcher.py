@@ -178,3 +178,26 @@ def _cmdline_has(proc, name: str) -> bool:
         return any(a.endswith(name.encode()) for a in (proc / "cmdline").read_bytes().split(b"\0"))
     except OSError:
         return False
+
+
+def test_backend_copies_of_removed_wheels_are_pruned(tmp_path: Path, monkeypatch) -> None:
+    """A backend copy whose stub's wheel is gone is removed; a live one, and one from before
+    copies named their source, stay. The launcher's own copy names a stub that exists."""
+    from manylora import tritonserver as ts
+
+    backends = tmp_path / "triton-backends"
+    live_stub = tmp_path / "venv" / "stub"
+    live_stub.parent.mkdir()
+    live_stub.write_text("")
+    for name, source in (("py3.11-gone", tmp_path / "deleted-venv" / "stub"), ("py3.11-live", live_stub)):
+        (backends / name / "python").mkdir(parents=True)
+        (backends / name / ts.SOURCE_FILE).write_text(str(source))
+    (backends / "py3.11-unknown" / "python").mkdir(parents=True)
+    assert ts.prune_backend_copies(backends) == [backends / "py3.11-gone"]
+    assert sorted(p.name for p in backends.iterdir()) == ["py3.11-live", "py3.11-unknown"]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITONSERVER", raising=False)
+    made = ts.find_install().backend_dir
+    assert made.parent == tmp_path / "cache" / "manylora" / "triton-backends"
+    assert Path((made / ts.SOURCE_FILE).read_text()).is_file()
