@@ -143,6 +143,7 @@ class SgmvMetaBuilder:
         slot_per_token: torch.Tensor | Sequence[int] | None = None,
         max_rank: int | None = None,
         max_segments: int | None = None,
+        row_lens: Sequence[int] | None = None,
     ) -> SgmvMeta:
         """Fill the buffer from a slot per row ([B] with rows of `row_len` tokens, T = B * row_len)
         or a slot per token ([T]); slot -1 means no adapter. Same-slot tokens should be
@@ -151,6 +152,9 @@ class SgmvMetaBuilder:
         max_rank: largest rank of the batch's adapters (host int), or None.
         max_segments: host bound on the segment count when the slots are a GPU tensor
         (for example distinct adapters + 1); it only sizes the grid.
+        row_lens: with host slots per row, each row's real tokens (0..row_len, the rest of the
+        row is padding): the padding gets slot -1, so no tile covers it and the kernels leave it
+        as they found it (``Engine``'s ``lora_skip_padding``).
         """
         assert (slot_per_row is None) != (slot_per_token is None), (
             "give exactly one of slot_per_row (with row_len) or slot_per_token"
@@ -168,16 +172,32 @@ class SgmvMetaBuilder:
         assert 1 <= num_tokens <= self.max_tokens, (
             f"batch has {num_tokens} tokens; this builder holds 1..{self.max_tokens}"
         )
+        if row_lens is not None:
+            assert slot_per_row is not None and units.device.type == "cpu", "row_lens go with host slots per row"
+            assert len(row_lens) == units.numel(), f"{len(row_lens)} row lengths for {units.numel()} rows"
         if units.device.type == "cpu":
-            return self._build_on_host(units.numpy().astype(np.int64), unit_len, max_rank)
+            return self._build_on_host(units.numpy().astype(np.int64), unit_len, max_rank, row_lens)
         return self._build_on_device(units.to(self.device, torch.int32), unit_len, max_rank, max_segments)
 
-    def _build_on_host(self, units: np.ndarray, unit_len: int, max_rank: int | None) -> SgmvMeta:
+    def _build_on_host(
+        self, units: np.ndarray, unit_len: int, max_rank: int | None, row_lens: Sequence[int] | None = None
+    ) -> SgmvMeta:
         num_units = len(units)
-        # Example: units [3 3 3 3 3 -1 -1 0 7 7] -> segment starts (in units) [0 5 7 8 10].
-        unit_starts = np.concatenate(([0], np.flatnonzero(units[1:] != units[:-1]) + 1, [num_units]))
-        seg_starts = unit_starts * unit_len
-        seg_slots = units[unit_starts[:-1]]
+        if row_lens is not None:  # each row's real tokens, then its padding (slot -1): pieces of 2 per row
+            lens = np.clip(np.asarray(row_lens, dtype=np.int64), 0, unit_len)
+            starts = np.arange(num_units, dtype=np.int64) * unit_len
+            piece_start = np.stack([starts, starts + lens], axis=1).reshape(-1)
+            piece_slot = np.stack([units, np.full(num_units, -1, dtype=np.int64)], axis=1).reshape(-1)
+            kept = np.stack([lens > 0, lens < unit_len], axis=1).reshape(-1)  # no empty piece
+            piece_start, piece_slot = piece_start[kept], piece_slot[kept]
+            first = np.concatenate(([True], piece_slot[1:] != piece_slot[:-1]))  # equal neighbours: one segment
+            seg_starts = np.concatenate((piece_start[first], [num_units * unit_len]))
+            seg_slots = piece_slot[first]
+        else:
+            # Example: units [3 3 3 3 3 -1 -1 0 7 7] -> segment starts (in units) [0 5 7 8 10].
+            unit_starts = np.concatenate(([0], np.flatnonzero(units[1:] != units[:-1]) + 1, [num_units]))
+            seg_starts = unit_starts * unit_len
+            seg_slots = units[unit_starts[:-1]]
         seg_len = np.diff(seg_starts)
         num_segments = len(seg_slots)
 
@@ -276,6 +296,7 @@ def build_sgmv_meta(
     device: torch.device | str | None = None,
     max_rank: int | None = None,
     max_segments: int | None = None,
+    row_lens: Sequence[int] | None = None,
 ) -> SgmvMeta:
     """One-shot SgmvMetaBuilder(T, device).build(...); the engine keeps a builder instead.
 
@@ -293,4 +314,5 @@ def build_sgmv_meta(
         slot_per_token=slot_per_token,
         max_rank=max_rank,
         max_segments=max_segments,
+        row_lens=row_lens,
     )

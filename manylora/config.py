@@ -189,6 +189,10 @@ class EngineConfig:
     # passes fewer per layer. On since session 14: H200, perf/profile_core.py, 1,024 adapters,
     # interleaved on the same engine: 1,024 rows 215.4 -> 209.6 ms (1.03x), 96 rows 1.02x, the same rows
     fused_lora_epilogue: bool = True
+    # GPU stage: the LoRA shrinks and expands (epilogues included) skip each row's padding, where the
+    # attention kernel runs (fused_attention: it never reads a key or value past a row's length, and every
+    # other step is token-local). Off: not yet measured on a GPU (docs/architecture.md, session 25)
+    lora_skip_padding: bool = False
     adapter_load_timeout: float = 10.0  # seconds a batch waits for one adapter's disk load
     # GPU stage (core_overlap on): its metrics are published at most this often, after the answers. Every
     # call published them before its answers until session 19: ~35 messages to the Triton process, ~2 ms
@@ -307,6 +311,12 @@ class EngineConfig:
             "GPU stage: 'on' adds DeBERTa's residuals and applies its GELU inside the LoRA expand kernel of "
             "batches whose every row has an adapter (the same roundings as the separate passes; default); "
             "'off' runs them as their own passes",
+        ),
+        "lora_skip_padding": (
+            _on_off,
+            False,
+            "GPU stage: 'on' lets the LoRA kernels skip each row's padding tokens where fused_attention runs "
+            "(padding then holds values no real token reads); 'off' (default) computes them",
         ),
         "core_timeout": (
             _seconds,

@@ -378,6 +378,9 @@ class Encoder(nn.Module):
         # DeBERTa's residual adds and GELU inside the LoRA expand when every row has an adapter
         # (the engine's fused_lora_epilogue; LoraBatch.fuses_epilogue)
         self.lora_fuse_epilogue = False
+        # LoRA tiles over each row's real tokens only, where no real token reads a padded one
+        # (the engine's lora_skip_padding; skips_lora_padding)
+        self.lora_skip_padding = False
         # a layer's query, key and value LoRA shrinks in one pass over its input (LoraBatch.
         # shrink_together); off only for the A/B (perf/profile_core.py --ab group_shrinks)
         self.lora_group_shrinks = True
@@ -388,6 +391,20 @@ class Encoder(nn.Module):
             for name, used in ((layer.key.name, geometry.c2p), (layer.query.name, geometry.p2c))
             if used
         ]
+
+    def padding_unread(self, device: torch.device) -> bool:
+        """Whether no real token reads a padded token's states: with the attention kernel, which
+        loads keys and values only below each row's ``kv_len``; every other step is token-local.
+        ``scaled_dot_product_attention`` multiplies a masked key's value by a weight of 0, which a
+        non-finite value turns into NaN."""
+        backend = self.backend or kernels.default_backend(device)
+        supported = kernels.disentangled_attention_supported(self.geometry.head_size)
+        return self.fused_attention and backend == "triton" and supported
+
+    def skips_lora_padding(self, device: torch.device) -> bool:
+        """Whether the LoRA kernels may leave each row's padding alone (``lora_skip_padding``):
+        its tokens then hold whatever the base GEMMs and the skipped epilogues leave there."""
+        return self.lora_skip_padding and self.padding_unread(device)
 
     def linears(self) -> dict[str, AdapterLinear]:
         return {m.name: m for m in self.modules() if isinstance(m, AdapterLinear)}
@@ -411,7 +428,7 @@ class Encoder(nn.Module):
         key_bias = (1.0 - attention_mask.to(torch.float32)) * torch.finfo(dtype).min  # [B, L]
         backend = self.backend or kernels.default_backend(input_ids.device)
         kv_len = None  # 1 + each row's last real token: the fused attention's key range
-        if self.fused_attention and backend == "triton" and kernels.disentangled_attention_supported(g.head_size):
+        if self.padding_unread(input_ids.device):
             kv_len = kernels.key_lengths(attention_mask)
         if lora is not None:  # every layer's position factors at once
             lora.prepare_positions(self.position_modules, window)

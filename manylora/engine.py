@@ -166,6 +166,7 @@ class Engine:
         self.encoder.backend = config.backend
         self.encoder.fused_attention = config.fused_attention and config.backend == "triton"
         self.encoder.lora_fuse_epilogue = config.fused_lora_epilogue
+        self.encoder.lora_skip_padding = config.lora_skip_padding
         self.model = model.to(device=self.device, dtype=self.dtype)
         if self.heads.span_kernel:  # an opt-in kernel: on a GPU it has not met, refuse rather than misanswer
             problem = check_span_kernel(self.model)
@@ -451,9 +452,12 @@ class Engine:
         # adapter's 72 module names in turn
         layouts = {p.adapter.module_names for p in chunk if p.adapter is not None}
         targets = frozenset().union(*layouts) & self.encoder_targets
+        # each row's real tokens, when the LoRA tiles may leave the padding after them alone
+        row_lens = [len(p.record.input_ids) for p in chunk] if self.encoder.skips_lora_padding(self.device) else None
         if self.graphs is not None:
             ranks = (self.store.owner(s).rank for s in set(slot_per_row) if s >= 0)
-            hidden = self.graphs.run(input_ids, attention_mask, slot_per_row, targets, max(ranks, default=0))
+            rank = max(ranks, default=0)
+            hidden = self.graphs.run(input_ids, attention_mask, slot_per_row, targets, rank, row_lens)
             if hidden is not None:
                 return batch, hidden, slot_per_row
         if targets:
@@ -469,6 +473,7 @@ class Engine:
                 self.encoder.lora_write_first,
                 self.encoder.lora_fuse_epilogue,
                 self.encoder.lora_group_shrinks,
+                row_lens,
             )
         hidden = self.encoder(input_ids, attention_mask, lora)
         return batch, hidden, slot_per_row

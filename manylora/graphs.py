@@ -171,10 +171,14 @@ class StaticLoraBatch(LoraBatch):
         self._positions_window = None
         self.meta: Optional[SgmvMeta] = None
 
-    def fill(self, slot_per_row: list[int]) -> None:
-        """This batch's slots (already padded to ``rows``): the SGMV tiles and the slot tensors."""
+    def fill(self, slot_per_row: list[int], row_lens: Optional[list[int]] = None) -> None:
+        """This batch's slots (already padded to ``rows``): the SGMV tiles and the slot tensors;
+        ``row_lens`` (padded the same way): tiles over each row's real tokens only."""
         meta = self.builder.build(
-            slot_per_row=torch.tensor(slot_per_row, dtype=torch.int32), row_len=self.row_len, max_rank=self.max_rank
+            slot_per_row=torch.tensor(slot_per_row, dtype=torch.int32),
+            row_len=self.row_len,
+            max_rank=self.max_rank,
+            row_lens=row_lens,
         )
         if self.meta is None:  # the first fill (the warm-up): fix the grids at their bound for this shape
             tokens = self.rows * self.row_len
@@ -289,8 +293,10 @@ class EncoderGraphs:
         slot_per_row: list[int],
         targets,
         max_rank: Optional[int],
+        row_lens: Optional[list[int]] = None,
     ) -> Optional[torch.Tensor]:
-        """The encoder's hidden states [rows, length, H] through a graph; None: this shape runs eagerly."""
+        """The encoder's hidden states [rows, length, H] through a graph; None: this shape runs eagerly.
+        ``row_lens``: each row's real tokens, when the LoRA tiles skip the padding."""
         rows, length = input_ids.shape
         key = self.key(rows, length, targets, max_rank, covered=all(s >= 0 for s in slot_per_row))
         if key is None or key in self.eager:
@@ -302,10 +308,10 @@ class EncoderGraphs:
                 if len(self.graphs) >= self.max_graphs:
                     self.stats["eager"] += 1
                     return None
-                graph = self._capture(key, input_ids, attention_mask, slot_per_row)
+                graph = self._capture(key, input_ids, attention_mask, slot_per_row, row_lens)
                 if graph is None:
                     return None
-            self._fill(graph, input_ids, attention_mask, slot_per_row)
+            self._fill(graph, input_ids, attention_mask, slot_per_row, row_lens)
             graph.graph.replay()
             self.stats["replays"] += 1
             hidden = self.encoder.geometry.hidden_size
@@ -313,16 +319,18 @@ class EncoderGraphs:
             # a copy (~15 us for a full token budget): the shared buffer is the next replay's
             return out[:rows, :length].clone()
 
-    def _fill(self, graph: _Graph, input_ids, attention_mask, slot_per_row) -> None:
+    def _fill(self, graph: _Graph, input_ids, attention_mask, slot_per_row, row_lens=None) -> None:
         """The batch into the graph's inputs; padding rows and columns get pad ids and a zero mask
-        (masked keys add nothing to a real token's attention; rows are independent)."""
+        (masked keys add nothing to a real token's attention; rows are independent), and with
+        ``row_lens`` no real token, so no LoRA tile."""
         rows, length = input_ids.shape
         graph.input_ids.zero_()
         graph.attention_mask.zero_()
         graph.input_ids[:rows, :length].copy_(input_ids)
         graph.attention_mask[:rows, :length].copy_(attention_mask)
         if graph.lora is not None:
-            graph.lora.fill(list(slot_per_row) + [slot_per_row[-1]] * (graph.rows - rows))
+            lens = None if row_lens is None else list(row_lens) + [0] * (graph.rows - rows)
+            graph.lora.fill(list(slot_per_row) + [slot_per_row[-1]] * (graph.rows - rows), lens)
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         out = self.encoder(graph.input_ids, graph.attention_mask, graph.lora)
@@ -330,7 +338,7 @@ class EncoderGraphs:
         flat.copy_(out)
         return flat
 
-    def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row) -> Optional[_Graph]:
+    def _capture(self, key: tuple, input_ids, attention_mask, slot_per_row, row_lens=None) -> Optional[_Graph]:
         rows, length, targets, rank_tile, _, epilogue, grouped = key
         started = time.perf_counter()
         lora = None
@@ -347,7 +355,7 @@ class EncoderGraphs:
             )
         graph = _Graph(rows, length, lora, input_ids.dtype, attention_mask.dtype, self.device)
         try:
-            self._fill(graph, input_ids, attention_mask, slot_per_row)
+            self._fill(graph, input_ids, attention_mask, slot_per_row, row_lens)
             with torch.inference_mode():
                 self._forward(graph)  # warm-up: compiles kernels, fills the shape caches
                 if lora is not None:

@@ -42,6 +42,8 @@ Designs (--design, several run one after the other, each with its own server):
   pipeline-unfused-epilogue  the same with gliner2_core's fused_lora_epilogue off: DeBERTa's
             residual adds and GELU as their own passes instead of inside the LoRA expand (its A/B, on
             by default since session 14)
+  pipeline-skip-padding  the same with gliner2_core's lora_skip_padding on: the LoRA kernels leave
+            each row's padding alone (its A/B; off by default until measured on a GPU)
   pipeline-2x-fronts  the same with twice the fronts (2 x --front-instances): twice the batches in
             the GPU stage at once with each front's blocking call (the alternative to front_inflight,
             whose pool threads leave batches unanswered when a front's stub dies)
@@ -102,6 +104,7 @@ DESIGNS = (
     "pipeline-unfused-epilogue",
     "pipeline-2x-fronts",
     "pipeline-fine-chunks",
+    "pipeline-skip-padding",
     "single",
 )
 CORE_OVERRIDES = {
@@ -114,6 +117,7 @@ CORE_OVERRIDES = {
     "pipeline-small-graphs": {"cuda_graph_max_tokens": "16384"},
     "pipeline-unfused-epilogue": {"fused_lora_epilogue": "off"},
     "pipeline-fine-chunks": {"chunk_cost_tokens": "2048"},
+    "pipeline-skip-padding": {"lora_skip_padding": "on"},
 }
 # designs that change the front (gliner2) instead
 FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}

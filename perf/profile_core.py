@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--ab",
         default="chunk_pipeline,count_gate,cuda_graph_heads,fused_span_scores,fused_attention,fused_lora_epilogue",
-        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; group_shrinks: the q, k, v shrinks grouped or not)",
+        help="which interleaved A/Bs to run (comma list; chunk_cost_tokens takes --chunk-costs; group_shrinks: the q, k, v shrinks grouped or not; lora_skip_padding: LoRA tiles over real tokens only)",
     )
     p.add_argument(
         "--chunk-costs",
@@ -173,19 +173,28 @@ def main(argv=None) -> int:
     def set_group_shrinks(on: bool) -> None:  # its own graphs (the flag is in their key)
         engine.encoder.lora_group_shrinks = on
 
-    if names and "group_shrinks" in ab:  # a layer's q, k, v shrinks in one pass over x
-        grouped = engine.encoder.lora_group_shrinks
-        set_group_shrinks(False)  # the first run with each (graph captures) is not timed
-        separate = engine.run_core(items)
-        set_group_shrinks(True)
-        ab_lines.append("group_shrinks on vs off, same rows: " + compare_rows(engine.run_core(items), separate))
-        ab_lines.append(interleaved_ab("group_shrinks", engine, items, sync, args.repeats, set_group_shrinks, grouped))
+    def lora_flag_ab(name: str, set_arm, default: bool) -> None:
+        """Same rows in both arms, the interleaved A/B, and on a GPU each arm's kernel time."""
+        set_arm(False)  # the first run with each (graph captures) is not timed
+        off = engine.run_core(items)
+        set_arm(True)
+        ab_lines.append(f"{name} on vs off, same rows: " + compare_rows(engine.run_core(items), off))
+        ab_lines.append(interleaved_ab(name, engine, items, sync, args.repeats, set_arm, default))
         for on in (False, True) if device.startswith("cuda") else ():  # the GPU's own time per arm
-            set_group_shrinks(on)
+            set_arm(on)
             kernel_ms, table = gpu_kernel_ms(lambda: engine.run_core(items), sync)
-            (args.out / f"core-kernels-group-shrinks-{'on' if on else 'off'}.txt").write_text(table)
-            ab_lines.append(f"group_shrinks {'on' if on else 'off'}: GPU kernel time {kernel_ms:.2f} ms")
-        set_group_shrinks(grouped)
+            (args.out / f"core-kernels-{name.replace('_', '-')}-{'on' if on else 'off'}.txt").write_text(table)
+            ab_lines.append(f"{name} {'on' if on else 'off'}: GPU kernel time {kernel_ms:.2f} ms")
+        set_arm(default)
+
+    if names and "group_shrinks" in ab:  # a layer's q, k, v shrinks in one pass over x
+        lora_flag_ab("group_shrinks", set_group_shrinks, engine.encoder.lora_group_shrinks)
+
+    def set_skip_padding(on: bool) -> None:  # tiles are data: the same graphs
+        engine.encoder.lora_skip_padding = on
+
+    if names and "lora_skip_padding" in ab:  # LoRA tiles over each row's real tokens only
+        lora_flag_ab("lora_skip_padding", set_skip_padding, engine.encoder.lora_skip_padding)
     profile = cProfile.Profile()
     profile.enable()
     engine.run_core(items)

@@ -45,7 +45,10 @@ class LoraBatch:
         write_first: bool = True,
         fuse_epilogue: bool = False,
         group_shrinks: bool = True,
+        row_lens: Optional[Sequence[int]] = None,
     ):
+        """``row_lens``: each row's real tokens, for tiles that leave the padding after them alone
+        (``Encoder.skips_lora_padding``); None: every token of every row with an adapter."""
         assert list(slot_per_row) == sorted(slot_per_row), "rows must be sorted by slot"
         self.store = store
         self.backend = backend
@@ -60,7 +63,10 @@ class LoraBatch:
         self.group_shrinks = group_shrinks  # see shrink_together
         max_rank = int(max((store.owner(s).rank for s in set(used)), default=0)) or None
         self.meta = meta_builder.build(
-            slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32), row_len=row_len, max_rank=max_rank
+            slot_per_row=torch.tensor(list(slot_per_row), dtype=torch.int32),
+            row_len=row_len,
+            max_rank=max_rank,
+            row_lens=row_lens,
         )
         # position tables: the low-rank factors per distinct slot (base rows get scale 0)
         group_slots = sorted(set(slot_per_row))

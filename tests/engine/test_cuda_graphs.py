@@ -107,6 +107,27 @@ def test_graphs_answer_like_the_eager_forward_and_peft(tiny_checkpoint, demo_ada
 
 
 @needs_cuda
+def test_graphs_whose_lora_tiles_skip_the_padding_answer_like_whole_rows(tiny_checkpoint, demo_adapters):
+    """lora_skip_padding through replayed graphs (each row's real length in the tiles, padding
+    rows of the bucket with none): the answers of the eager forward over whole rows."""
+    root = next(iter(demo_adapters.values())).parent
+    skip = _engine(tiny_checkpoint, root, "cuda:0", max_gpu_adapters=8, lora_skip_padding="on")
+    whole = _engine(tiny_checkpoint, root, "cuda:0", max_gpu_adapters=8, cuda_graphs="off")
+    assert skip.encoder.skips_lora_padding(skip.device) and not whole.encoder.skips_lora_padding(whole.device)
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", ""]
+    cases = [
+        _requests(names, 5, seed=2),  # mixed, with base rows, padded to 6 rows
+        _requests(["enc-r8", "qv-r8"], 7, seed=3),  # every row has an adapter (epilogues fused), padded to 8
+        _requests(names, 37, seed=5),  # several chunks
+    ]
+    replays = skip.graphs.stats["replays"]
+    for requests in cases + cases:
+        got, want = skip.run(requests), whole.run(requests)
+        assert [result_differences(a, b, atol=1e-4) for a, b in zip(got, want)] == [[]] * len(requests)
+    assert skip.graphs.stats["replays"] > replays
+
+
+@needs_cuda
 def test_shapes_beyond_the_graph_limits_run_eagerly(tiny_checkpoint, demo_adapters):
     root = next(iter(demo_adapters.values())).parent
     values = {"checkpoint": str(tiny_checkpoint), "adapter_dir": str(root)}  # the serving dtype, bfloat16

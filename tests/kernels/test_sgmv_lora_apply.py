@@ -65,3 +65,26 @@ def test_shape_mismatch_is_refused(device):
             torch.randn(2, 10, device=device),
             y_offset=4,
         )
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_row_lengths_skip_the_padding_and_nothing_else(device, gelu):
+    """Tiles from each row's real length (the engine's lora_skip_padding): real tokens get the
+    update (and the epilogue) exactly as with whole rows; padded tokens keep what y held."""
+    gen = torch.Generator().manual_seed(33)
+    rows, row_len, num_slots = 12, 24, 6
+    slot_per_row = sorted(torch.randint(0, num_slots, (rows,), generator=gen).tolist())
+    lens = torch.randint(1, row_len + 1, (rows,), generator=gen).tolist()
+    lens[0] = row_len
+    lora_a, lora_b, scales = make_lora(num_slots, 8, 64, 48, torch.bfloat16, device, gen)
+    x = torch.randn(rows * row_len, 64, generator=gen).to(device, torch.bfloat16)
+    y0 = torch.randn(rows * row_len, 48, generator=gen).to(device, torch.bfloat16)
+    real = torch.tensor([k < n for n in lens for k in range(row_len)], device=device)
+    for backend in K.BACKENDS:
+        whole = K.build_sgmv_meta(slot_per_row=slot_per_row, row_len=row_len, device=device)
+        skip = K.build_sgmv_meta(slot_per_row=slot_per_row, row_len=row_len, row_lens=lens, device=device)
+        full = K.lora_apply(x, y0.clone(), lora_a, lora_b, scales, whole, backend=backend, gelu=gelu)
+        part = K.lora_apply(x, y0.clone(), lora_a, lora_b, scales, skip, backend=backend, gelu=gelu)
+        assert torch.equal(part[real], full[real]), backend
+        assert torch.equal(part[~real], y0[~real]), backend
+        assert not torch.equal(full[~real], y0[~real])  # the whole rows did change the padding

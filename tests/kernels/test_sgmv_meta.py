@@ -103,3 +103,29 @@ def test_unknown_block_m_is_refused(device):
     meta = build_sgmv_meta(slot_per_token=[0, 0], device=device)
     with pytest.raises(AssertionError, match="BLOCK_M=48"):
         meta.tiles(48)
+
+
+@pytest.mark.parametrize("row_len", [1, 7, 16])
+def test_row_lengths_leave_each_rows_padding_to_no_tile(device, row_len):
+    """Slots per row with each row's real length: the segments and tiles of the same slots
+    given per token with the padding at -1 (the padding is never in a tile)."""
+    gen = torch.Generator().manual_seed(12)
+    rows = sorted(torch.randint(-1, 6, (40,), generator=gen).tolist())
+    lens = torch.randint(0, row_len + 1, (40,), generator=gen).tolist()
+    lens[:3] = [row_len, row_len, 0]  # whole rows of one slot merge; an empty row is all padding
+    by_row = build_sgmv_meta(slot_per_row=rows, row_len=row_len, row_lens=lens, device=device)
+    per_token = [s if k < n else -1 for s, n in zip(rows, lens) for k in range(row_len)]
+    by_token = build_sgmv_meta(slot_per_token=per_token, device=device)
+    assert by_row.num_tokens == by_token.num_tokens == 40 * row_len
+    assert by_row.segments() == by_token.segments()
+    for bm in BLOCK_M_CHOICES:
+        assert used(by_row.tiles(bm)) == used(by_token.tiles(bm))
+
+
+def test_full_row_lengths_change_nothing(device):
+    rows = [2, 2, -1, 5, 5, 5, 0]
+    plain = build_sgmv_meta(slot_per_row=rows, row_len=9, device=device)
+    full = build_sgmv_meta(slot_per_row=rows, row_len=9, row_lens=[9] * 7, device=device)
+    assert full.segments() == plain.segments()
+    for bm in BLOCK_M_CHOICES:
+        assert used(full.tiles(bm)) == used(plain.tiles(bm))

@@ -366,3 +366,49 @@ def test_grouped_qkv_shrinks_equal_the_separate_ones(tiny_checkpoint, demo_adapt
     assert torch.equal(grouped, separate)
     diffs = [result_differences(a, b, atol=0) for a, b in zip(grouped_answers, separate_answers)]
     assert diffs == [[]] * len(requests)
+
+
+def test_lora_tiles_that_skip_the_padding_leave_real_tokens_alone(tiny_checkpoint, demo_adapters, monkeypatch):
+    """lora_skip_padding with the attention kernel (triton backend: interpreted on the CPU): every
+    row has an adapter, so the updates are written first and the epilogues fused, and no tile
+    covers a padded token. After every LoRA call the padded tokens are set to NaN, worse than any
+    value they can hold: the real tokens' states still equal those of tiles over whole rows (no
+    step reads a padded token), and so do the answers."""
+    pytest.importorskip("triton")
+    import torch
+
+    from manylora import kernels
+
+    names = ["enc-r8", "qv-r8", "enc-heads-r16", "patterns-r12", "enc-r8"]
+    engine, requests, _, _ = _eager_engine(tiny_checkpoint, demo_adapters, "triton", names, 37)
+    engine.encoder.lora_fuse_epilogue = True
+    assert engine.encoder.padding_unread(engine.device)
+    apply = kernels.lora_apply
+    poisoned = []
+
+    def poison(*args, **kwargs):
+        out = apply(*args, **kwargs)
+        y, meta = args[1], args[5]
+        covered = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+        for start, end, slot in meta.segments():
+            covered[start:end] |= slot >= 0
+        if engine.encoder.lora_skip_padding:
+            y[~covered] = float("nan")
+            poisoned.append(int((~covered).sum()))
+        return out
+
+    monkeypatch.setattr(kernels, "lora_apply", poison)
+
+    def run(skip: bool):
+        engine.encoder.lora_skip_padding = skip
+        with torch.inference_mode():
+            (chunk,) = engine._chunks([engine.prepare(i, r) for i, r in enumerate(requests)])
+            batch, states, _ = engine.forward(list(chunk))
+        real = batch.attention_mask.bool().to(states.device)  # the forward pads further, to a multiple of 16
+        return states[:, : real.shape[1]][real], engine.run(requests)
+
+    whole, whole_answers = run(False)
+    skipped, skipped_answers = run(True)
+    assert poisoned and min(poisoned) > 0, "rows of several lengths: some tokens are padding"
+    torch.testing.assert_close(skipped, whole, atol=1e-5, rtol=1e-5)
+    assert [result_differences(a, b, atol=1e-4) for a, b in zip(skipped_answers, whole_answers)] == [[]] * len(names)
