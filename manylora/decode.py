@@ -20,10 +20,12 @@ def encode_padded(batch, hidden_states: torch.Tensor) -> torch.Tensor:
 
     ``hidden_states`` is the engine's [B, L', H] encoder output with L' >= the batch's
     padded length L; returns [B, L, H] with the padding zeroed, as GLiNER2's re-padding does.
+    Filled, not multiplied by the mask: with ``lora_skip_padding`` a padded token may hold any
+    value, NaN included, and NaN x 0 is NaN.
     """
     mask = batch.attention_mask
     hidden = hidden_states[:, : mask.shape[1]]
-    return hidden * mask.unsqueeze(-1).to(hidden.dtype)
+    return hidden.masked_fill(~mask.bool().unsqueeze(-1), 0)
 
 
 def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -243,8 +243,8 @@ def word_tokenizer(tokenizer) -> Callable[[str], list]:
             return tokenize(word)
         return encode(word, add_special_tokens=False).tokens
 
-    try:
-        same = all(pieces(w) == tokenize(w) for w in _PROBE_WORDS)
+    try:  # the backend itself, not ``pieces``: that would compare tokenize with itself in another state
+        same = all(encode(w, add_special_tokens=False).tokens == tokenize(w) for w in _PROBE_WORDS)
     except Exception:  # a backend without these attributes or this signature
         same = False
     return pieces if same else tokenize

@@ -5,8 +5,9 @@ same release as NGC 24.10): `pytriton/tritonserver/bin/tritonserver`, its shared
 in `nvidia_pytriton.libs/` and the Python backend in `pytriton/tritonserver/backends/`.
 The wheel ships backend stubs for several Pythons, so a backend directory is assembled
 once in a cache directory with the stub for the running Python copied next to
-`libtriton_python.so`, where the backend looks for it. Copies made from a wheel that is gone since (a
-deleted venv or clone) are removed when a new copy is made.
+`libtriton_python.so`, where the backend looks for it. Copies made from a stub that is gone or changed
+since (a deleted venv or clone, a reinstall) are removed after a day unused, when a new copy
+is made (`prune_backend_copies`).
 
 `TRITONSERVER=/path/to/bin/tritonserver` selects another server (the NGC image, a GPU
 bundle); its backends are taken from `TRITON_BACKENDS` or else `<bin>/../backends`, and
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -112,6 +114,8 @@ def _backend_dir_with_stub(server_root: Path) -> Path:
     key = hashlib.sha256(f"{server_root}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_dir() / "triton-backends" / f"py{version}-{key[:12]}"
     if (target / "python" / STUB_NAME).is_file():
+        with contextlib.suppress(OSError):  # in use: prune_backend_copies keeps it a while
+            os.utime(target)
         return target
 
     # Built aside and renamed into place: concurrent test sessions may race here.
@@ -125,7 +129,7 @@ def _backend_dir_with_stub(server_root: Path) -> Path:
             ignore=shutil.ignore_patterns("__pycache__"),
         )
         shutil.copy2(stub, staging / "python" / STUB_NAME)
-        (staging / SOURCE_FILE).write_text(str(stub))
+        (staging / SOURCE_FILE).write_text(json.dumps(_stub_identity(stub)))
         try:
             staging.rename(target)
         except OSError:
@@ -137,21 +141,38 @@ def _backend_dir_with_stub(server_root: Path) -> Path:
     return target
 
 
-SOURCE_FILE = "SOURCE"  # in each backend copy: the stub it was made from
+SOURCE_FILE = "SOURCE"  # in each backend copy: the stub it was made from (path, size, mtime)
+PRUNE_IDLE_SECONDS = 24 * 3600  # a copy unused this long whose stub is gone or changed is removed
+PRUNE_UNKNOWN_SECONDS = 7 * 24 * 3600  # one without SOURCE (made before it existed): unused this long
 
 
-def prune_backend_copies(folder: Path) -> list[Path]:
-    """Remove the backend copies (~3 MB each) whose wheel is gone: every fresh venv or clone
-    made one, and none was ever removed (42 copies, 115 MB, on this project's CPU host after
-    two days of sessions). A copy without a SOURCE file (made before it existed) is kept."""
+def _stub_identity(stub: Path) -> dict:
+    stat = stub.stat()
+    return {"path": str(stub), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def prune_backend_copies(folder: Path, now: float | None = None) -> list[Path]:
+    """Remove the backend copies (~3 MB each) nothing will use again: every fresh venv or clone,
+    and every reinstall of the wheel, made one, and none was ever removed (42 copies, 115 MB, on
+    this project's CPU host after two days of sessions). A copy goes once its stub is gone or
+    changed and it has not been used for PRUNE_IDLE_SECONDS (a server started from it may still
+    run, and may restart a stub from it); a copy without SOURCE after PRUNE_UNKNOWN_SECONDS.
+    Use is the copy folder's mtime, which ``find_install`` touches."""
+    now = time.time() if now is None else now
     removed = []
     for copy in folder.glob("py*-*"):
-        source = copy / SOURCE_FILE
         try:
-            gone = source.is_file() and not Path(source.read_text().strip()).exists()
-        except OSError:
+            idle = now - copy.stat().st_mtime
+            source = copy / SOURCE_FILE
+            if not source.is_file():
+                stale = idle > PRUNE_UNKNOWN_SECONDS
+            else:
+                made_from = json.loads(source.read_text())
+                stub = Path(made_from["path"])
+                stale = idle > PRUNE_IDLE_SECONDS and (not stub.is_file() or _stub_identity(stub) != made_from)
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        if gone:
+        if stale:
             shutil.rmtree(copy, ignore_errors=True)
             removed.append(copy)
     return removed

@@ -108,7 +108,8 @@ class TritonPythonModel:
                 after = took(arrays)
                 callee = (after[0] - before[0]) / (after[1] - before[1])  # the first TOOK call is counted too
                 calls = config["calls"]
-                lines.append(dict(rows=rows, callee_cpu_us=callee * 1e6, callee_cpu_us_per_row=callee * 1e6 / rows,
+                lines.append(dict(rows=rows, callee_requests=int(after[1] - before[1]),
+                                  callee_cpu_us=callee * 1e6, callee_cpu_us_per_row=callee * 1e6 / rows,
                                   caller_cpu_us=cpu / calls * 1e6, caller_wall_us=wall / calls * 1e6))
             result = np.array([json.dumps(lines).encode()], dtype=np.object_)
             out.append(pb.InferenceResponse(output_tensors=[pb.Tensor("RESULT", result)]))

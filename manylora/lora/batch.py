@@ -101,8 +101,9 @@ class LoraBatch:
     def fuses_epilogue(self, name: str) -> bool:
         """Whether ``name``'s update may carry the layer's next elementwise pass (``apply``'s
         ``residual`` / ``gelu``): the engine's ``fused_lora_epilogue`` and every row with an
-        adapter, so that every row of y gets a tile. The pass then costs no read and write of y of
-        its own: for GLiNER2-base's ffn_in, a [tokens, 3,072] GELU."""
+        adapter, so that every row of y gets a tile (with ``row_lens``, every real token: the
+        padding then gets no pass at all, ``Encoder.skips_lora_padding``). The pass then costs no
+        read and write of y of its own: for GLiNER2-base's ffn_in, a [tokens, 3,072] GELU."""
         return self.fuse_epilogue and name in self.targets
 
     def apply(

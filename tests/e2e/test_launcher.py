@@ -180,24 +180,50 @@ def _cmdline_has(proc, name: str) -> bool:
         return False
 
 
-def test_backend_copies_of_removed_wheels_are_pruned(tmp_path: Path, monkeypatch) -> None:
-    """A backend copy whose stub's wheel is gone is removed; a live one, and one from before
-    copies named their source, stay. The launcher's own copy names a stub that exists."""
+def test_backend_copies_of_removed_or_changed_stubs_are_pruned_once_idle(tmp_path: Path, monkeypatch) -> None:
+    """A backend copy whose stub is gone or changed since is removed once unused for a day; one
+    used lately, one whose stub is as it was, and a copy without SOURCE (made before SOURCE
+    existed) younger than a week stay. The launcher's own copy names its stub and is touched."""
+    import json
+    import time
+
     from manylora import tritonserver as ts
 
     backends = tmp_path / "triton-backends"
-    live_stub = tmp_path / "venv" / "stub"
-    live_stub.parent.mkdir()
-    live_stub.write_text("")
-    for name, source in (("py3.11-gone", tmp_path / "deleted-venv" / "stub"), ("py3.11-live", live_stub)):
+    live = tmp_path / "venv" / "stub"
+    live.parent.mkdir()
+    live.write_text("stub")
+    changed = tmp_path / "venv" / "old-stub"
+    changed.write_text("stub")
+    changed_identity = ts._stub_identity(changed)
+    changed.write_text("a reinstalled stub")
+    now = time.time()
+    cases = {  # name: (SOURCE, days unused)
+        "py3.11-gone": ({"path": str(tmp_path / "deleted-venv" / "stub"), "size": 1, "mtime_ns": 1}, 2),
+        "py3.11-changed": (changed_identity, 2),
+        "py3.11-gone-but-in-use": ({"path": str(tmp_path / "deleted" / "stub"), "size": 1, "mtime_ns": 1}, 0.1),
+        "py3.11-live": (ts._stub_identity(live), 30),
+        "py3.11-unknown-recent": (None, 2),
+        "py3.11-unknown-old": (None, 8),
+    }
+    for name, (source, days) in cases.items():
         (backends / name / "python").mkdir(parents=True)
-        (backends / name / ts.SOURCE_FILE).write_text(str(source))
-    (backends / "py3.11-unknown" / "python").mkdir(parents=True)
-    assert ts.prune_backend_copies(backends) == [backends / "py3.11-gone"]
-    assert sorted(p.name for p in backends.iterdir()) == ["py3.11-live", "py3.11-unknown"]
+        if source is not None:
+            (backends / name / ts.SOURCE_FILE).write_text(json.dumps(source))
+        os.utime(backends / name, (now - days * 86400, now - days * 86400))
+    removed = ts.prune_backend_copies(backends, now=now)
+    assert sorted(p.name for p in removed) == ["py3.11-changed", "py3.11-gone", "py3.11-unknown-old"]
+    assert sorted(p.name for p in backends.iterdir()) == [
+        "py3.11-gone-but-in-use",
+        "py3.11-live",
+        "py3.11-unknown-recent",
+    ]
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("TRITONSERVER", raising=False)
     made = ts.find_install().backend_dir
     assert made.parent == tmp_path / "cache" / "manylora" / "triton-backends"
-    assert Path((made / ts.SOURCE_FILE).read_text()).is_file()
+    source = json.loads((made / ts.SOURCE_FILE).read_text())
+    assert ts._stub_identity(Path(source["path"])) == source
+    os.utime(made, (now - 5 * 86400, now - 5 * 86400))
+    assert ts.find_install().backend_dir == made and time.time() - made.stat().st_mtime < 60, "use touches it"

@@ -17,6 +17,11 @@ def test_encode_padded_equals_gliner2_padding(reference_model):
     per_row = [hidden[row, :n] for row, n in enumerate(lengths)]
     expected = type(reference_model).encode_tokens(reference_model, batch, per_row)
     assert torch.equal(encode_padded(batch, hidden), expected)
+    # padding that holds NaN or inf (lora_skip_padding leaves it as it is): still zeros
+    poisoned = hidden.clone()
+    for row, n in enumerate(lengths):
+        poisoned[row, n:] = float("nan") if row % 2 else float("inf")
+    assert torch.equal(encode_padded(batch, poisoned), expected)
 
 
 def test_device_lists_are_the_lists_in_order_through_one_copy():
