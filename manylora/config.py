@@ -154,6 +154,10 @@ class EngineConfig:
     # dead stub was answering through response senders; tests/e2e/test_soak_faults.py failed with it)
     front_inflight: int = 1
     core_overlap: bool = True  # GPU stage: parse and answer on their own threads (serving.CoreModelHandler)
+    # GPU stage: the engine, its GPU thread and the adapter cache in a child process of their own
+    # (manylora.core_process), so that Triton's parse and responses leave its interpreter lock. Off
+    # until measured on a GPU (docs/architecture.md, session 26)
+    core_process: bool = False
     gpu_memory_fraction: float = 0.9  # the GPU stage's allocator cap, a share of its GPU's memory
     cuda_graphs: bool = True  # GPU stage: replay the encoder forward as CUDA graphs (manylora.graphs)
     cuda_graph_warmup_rows: int = 16  # GPU stage: graphs captured at load for batches of up to this many rows
@@ -355,6 +359,14 @@ class EngineConfig:
             False,
             "GPU stage (decoupled): 'on' (default) parses the next batches and answers the last ones on "
             "their own threads while one runs on the GPU; 'off' runs each batch in turn (for A/B runs)",
+        ),
+        "core_process": (
+            _on_off,
+            False,
+            "GPU stage: 'on' runs the engine, its GPU thread and the adapter cache in a child process, away from "
+            "the interpreter lock of Triton's request parsing and responses (the overlap always on there); a "
+            "worker that exits fails its requests in flight UNAVAILABLE and is started again. 'off' (default): "
+            "one process; not yet measured on a GPU",
         ),
     }
 

@@ -106,6 +106,11 @@ class AdapterMetrics:
             phases,
         )
 
+    def restart_counts(self) -> None:
+        """The engine's counters start from 0 again (a new ``core_process`` worker): later totals
+        are added to the published ones, not taken as their new values."""
+        self._published = {}
+
     def close(self) -> None:
         """Release the metrics, then their families (Triton's required order)."""
         self.cache = self.resident = self.loading = self.host_bytes = None

@@ -292,9 +292,12 @@ class TritonModelHandler:
 
         # list / preload / evict / stats from the manylora_control model (README: Adapter control)
         self.control = attach_control(self.engine, args)
+        self.metrics = self._make_metrics(args)
+
+    def _make_metrics(self, args: dict):
         from manylora.metrics import AdapterMetrics
 
-        self.metrics = AdapterMetrics(
+        return AdapterMetrics(
             self.pb_utils, {"model": args.get("model_name", "gliner2"), "instance": args.get("model_instance_name", "")}
         )
 
@@ -574,6 +577,21 @@ class TritonModelHandler:
         self.engine = None
 
 
+def core_handler(args: dict, pb_utils):
+    """What gliner2_core's model.py delegates to: a ``CoreModelHandler``, or with ``core_process: on``
+    a ``core_process.CoreProcessHandler`` (the engine in a child process)."""
+    from manylora.config import EngineConfig
+
+    config = EngineConfig.from_model_config(
+        args["model_config"], model_dir=Path(args["model_repository"]), device=instance_device(args)
+    )
+    if config.core_process:
+        from manylora.core_process import process_handler
+
+        return process_handler(args, pb_utils, config)
+    return CoreModelHandler(args, pb_utils)
+
+
 class CoreModelHandler(TritonModelHandler):
     """``gliner2_core``: the GPU stage. Its rows come from the fronts' BLS calls (any client
     can call it too: every input is checked); it holds the only adapter cache of its GPU.
@@ -636,6 +654,11 @@ class CoreModelHandler(TritonModelHandler):
         phases["parse"] += time.perf_counter() - started
         self._jobs.put(([request.get_response_sender() for request in requests], job, time.monotonic()))
         return None
+
+    @property
+    def request_limit(self) -> int:
+        """The longest row (tokens) this GPU stage takes: its ``max_request_tokens``."""
+        return self.engine.config.max_request_tokens
 
     def _parse(self, requests: list) -> tuple[list, list]:
         """(groups, items): groups[i] is (first item, rows) of request i, or its RequestError."""
@@ -848,7 +871,7 @@ class CoreModelHandler(TritonModelHandler):
                 INVALID_ARG, "ROW_TOKENS, ROW_WORDS, SCHEMA, ADAPTER_ID and T_MIN need one value per row"
             )
         tokens, words = flat["ROW_TOKENS"].astype(np.int64), flat["ROW_WORDS"].astype(np.int64)
-        limit = self.engine.config.max_request_tokens
+        limit = self.request_limit
         if rows == 0 or tokens.min() < 1 or words.min() < 0:
             raise RequestError(INVALID_ARG, "every row needs at least one token")
         ids, positions = flat["INPUT_IDS"].astype(np.int64), flat["WORD_POS"].astype(np.int64)
@@ -907,15 +930,23 @@ class CoreModelHandler(TritonModelHandler):
             return self._run_core(items[:half]) + self._run_core(items[half:])
 
     def _core_response(self, rows: list):
+        return self._core_pb_response(*core_parts(rows))
+
+    def _core_pb_response(self, statuses: list, packed: bytes):
+        """The response of one front request: its rows' STATUS texts (bytes) and COMPACT buffer."""
         pb = self.pb_utils
-        statuses = [f"{r.code}\t{r.message}".encode("utf-8") if isinstance(r, RequestError) else b"" for r in rows]
-        packed = pack_compact_rows([None if isinstance(r, RequestError) else r for r in rows])
         return pb.InferenceResponse(
             output_tensors=[
                 pb.Tensor("STATUS", np.array([statuses], dtype=np.object_)),
                 pb.Tensor("COMPACT", np.array([[packed]], dtype=np.object_)),
             ]
         )
+
+
+def core_parts(rows: list) -> tuple[list, bytes]:
+    """(STATUS texts, COMPACT buffer) of one front request's rows (CompactRow or RequestError each)."""
+    statuses = [f"{r.code}\t{r.message}".encode("utf-8") if isinstance(r, RequestError) else b"" for r in rows]
+    return statuses, pack_compact_rows([None if isinstance(r, RequestError) else r for r in rows])
 
 
 def _once(fn: Optional[Callable[[], None]]) -> Callable[[], None]:

@@ -44,6 +44,9 @@ Designs (--design, several run one after the other, each with its own server):
             by default since session 14)
   pipeline-skip-padding  the same with gliner2_core's lora_skip_padding on: the LoRA kernels leave
             each row's padding alone (its A/B; off by default until measured on a GPU)
+  pipeline-core-process  the same with gliner2_core's core_process on: the engine and its GPU
+            thread in a child process of the stub, away from the interpreter lock of Triton's parse and
+            responses (its A/B; off by default until measured on a GPU)
   pipeline-2x-fronts  the same with twice the fronts (2 x --front-instances): twice the batches in
             the GPU stage at once with each front's blocking call (the alternative to front_inflight,
             whose pool threads leave batches unanswered when a front's stub dies)
@@ -105,6 +108,7 @@ DESIGNS = (
     "pipeline-2x-fronts",
     "pipeline-fine-chunks",
     "pipeline-skip-padding",
+    "pipeline-core-process",
     "single",
 )
 CORE_OVERRIDES = {
@@ -118,6 +122,7 @@ CORE_OVERRIDES = {
     "pipeline-unfused-epilogue": {"fused_lora_epilogue": "off"},
     "pipeline-fine-chunks": {"chunk_cost_tokens": "2048"},
     "pipeline-skip-padding": {"lora_skip_padding": "on"},
+    "pipeline-core-process": {"core_process": "on"},
 }
 # designs that change the front (gliner2) instead
 FRONT_OVERRIDES = {"pipeline-inflight": {"front_inflight": "4"}}
