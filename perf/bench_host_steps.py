@@ -9,7 +9,8 @@ work whatever the device, each on the rows of one big call (16 rows per front re
 benchmarks' entity schema, texts of 60-120 words): parsing the fronts' requests
 (``CoreModelHandler._parse``), padding a chunk (``pad_batch``), splitting a chunk's hits into
 rows (``compact_dense_begin``'s finish, from tensors on the CPU) and packing the responses
-(``_responses``). The fronts' own per-request steps (pre and post) come first, for the fronts' share of
+(``_responses``), and with ``core_process`` on the job's message to the worker and back into
+rows. The fronts' own per-request steps (pre and post) come first, for the fronts' share of
 the host. Prints the best of ``--repeats`` in microseconds per row, one line per step;
 an A/B is this script at two commits, paired (whole process) or line by line.
 """
@@ -96,6 +97,9 @@ def main(argv=None) -> int:
         ]
     )
     deadline = CallDeadline(20.0)
+    from manylora.core_process import decode_job, encode_job, unframe
+
+    message = encode_job(0, job, 0.0)
     steps = {
         "front: pre (Preprocessor.prepare)": lambda: [engine.pre.prepare(i, r) for i, r in enumerate(requests_in)],
         "front: pre, texts not seen before": lambda: [engine.pre.prepare(i, r) for i, r in enumerate(next(fresh))],
@@ -110,6 +114,9 @@ def main(argv=None) -> int:
         "pad (RecordBuilder.pad_batch)": lambda: engine.records.pad_batch(records),
         "compact rows (compact_dense_begin's finish)": finish,
         "pack (CoreModelHandler._responses)": lambda: core._responses(job, answers),
+        # core_process on: what the socket between the stub and its worker adds per call
+        "core_process: the stub's job message (encode_job)": lambda: encode_job(0, job, 0.0),
+        "core_process: the worker's job (decode_job)": lambda: decode_job(*unframe(message)),
     }
     for name, step in steps.items():
         best = float("inf")

@@ -660,25 +660,26 @@ def stage_of(args: Iterable[str], models: Iterable[str]) -> Optional[str]:
 
 
 def stage_ticks(procs: Mapping[int, Proc], server_pid: int, models: Iterable[str]) -> dict[str, dict[int, int]]:
-    """CPU ticks per stage, per process: the server's Python-backend stubs grouped by model,
-    and tritonserver (the server's other descendants: a wrapper that did not exec, say)."""
+    """CPU ticks per stage, per process: the server's Python-backend stubs grouped by model (with
+    their children: a ``core_process`` worker), and tritonserver (the server's other descendants:
+    a wrapper that did not exec, say)."""
     models = tuple(models)
     out: dict[str, dict[int, int]] = {m: {} for m in models}
     out["tritonserver"] = {}
     children: dict[int, list[int]] = {}
     for pid, proc in procs.items():
         children.setdefault(proc.ppid, []).append(pid)
-    todo = [server_pid] if server_pid in procs else []
+    todo = [(server_pid, None)] if server_pid in procs else []
     while todo:
-        pid = todo.pop()
+        pid, stage = todo.pop()
         proc = procs[pid]
-        if any(a.endswith(STUB) for a in proc.args):
+        if stage is None and any(a.endswith(STUB) for a in proc.args):
             stage = stage_of(proc.args, models)
-            if stage is not None:
-                out[stage][pid] = proc.ticks
-            continue  # a stub's own children (none expected) are not a stage
-        out["tritonserver"][pid] = proc.ticks
-        todo += children.get(pid, [])
+            if stage is None:
+                continue  # a stub of another model, and its children
+        # a stub's children are its stage (core_process: on: the GPU stage's worker process)
+        out[stage or "tritonserver"][pid] = proc.ticks
+        todo += [(child, stage) for child in children.get(pid, [])]
     return out
 
 
@@ -1270,8 +1271,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     failures = 0
     try:
-        for design in designs:
-            server, url, log = None, args.url, work / f"tritonserver-{design}.log"
+        for turn, design in enumerate(designs):  # a design may come again (alternated A/B rounds)
+            server, url, log = None, args.url, work / f"tritonserver-{design}-{turn}.log"
             left = args.time_budget_s - (time.monotonic() - t_start)
             if args.time_budget_s and url is None and left < 90:
                 print(f"skipping the {design} design: {left:.0f} s left of --time-budget-s", flush=True)
@@ -1281,7 +1282,7 @@ def main(argv=None) -> int:
                     from manylora.tritonserver import TritonServer
 
                     layout = layout_of(args, design)
-                    repo = bench_repository(work / f"repo-{design}", engine_parameters(args), layout)
+                    repo = bench_repository(work / f"repo-{design}-{turn}", engine_parameters(args), layout)
                     summary = repository_summary(repo)
                     server = TritonServer(repo, log_file=log)
                     print(f"starting tritonserver ({design}): {json.dumps(summary)}", flush=True)

@@ -92,18 +92,18 @@ class _Metrics(NoMetrics):
         pass
 
 
-@pytest.fixture(scope="module")
-def handlers(tiny_checkpoint, tiny_engine):
-    """(the stub handler with its worker, the in-process GPU stage), on the tiny checkpoint."""
+def _pair(checkpoint, engine, kind: str):
+    """(a stub handler with its worker on ``kind``, the in-process GPU stage of ``engine``)."""
     from manylora.serving import CoreModelHandler, ExecuteProfiler, core_handler
 
-    parameters = {"checkpoint": str(tiny_checkpoint), "core_process": "on", "control_dir": "none"}
+    parameters = {"checkpoint": str(checkpoint), "core_process": "on", "control_dir": "none"}
     args = {
         "model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in parameters.items()}}),
         "model_repository": os.getcwd(),
         "model_name": "gliner2_core",
         "model_instance_name": "gliner2_core_0_0",
-        "model_instance_kind": "CPU",
+        "model_instance_kind": kind,
+        "model_instance_device_id": "0",
     }
     original = core_process.CoreProcessHandler._make_metrics
     core_process.CoreProcessHandler._make_metrics = lambda self, args: _Metrics()
@@ -112,10 +112,36 @@ def handlers(tiny_checkpoint, tiny_engine):
     finally:
         core_process.CoreProcessHandler._make_metrics = original
     local = CoreModelHandler.__new__(CoreModelHandler)
-    local.pb_utils, local.engine, local.metrics, local.control = _Pb, tiny_engine, NoMetrics(), None
-    local.profiler, local.vocab = ExecuteProfiler(None, ""), len(tiny_engine.processor.tokenizer)
+    local.pb_utils, local.engine, local.metrics, local.control = _Pb, engine, NoMetrics(), None
+    local.profiler, local.vocab = ExecuteProfiler(None, ""), len(engine.processor.tokenizer)
+    return stub, local
+
+
+@pytest.fixture(scope="module")
+def handlers(tiny_checkpoint, tiny_engine):
+    """(the stub handler with its worker, the in-process GPU stage), on the tiny checkpoint."""
+    stub, local = _pair(tiny_checkpoint, tiny_engine, "CPU")
     yield stub, local
     stub.finalize()
+
+
+def test_a_worker_on_the_gpu_answers_what_the_in_process_stage_answers(tiny_checkpoint, tiny_engine):
+    """The worker of a GPU instance (model_instance_kind GPU) runs its engine on that GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from manylora.config import EngineConfig
+    from manylora.engine import Engine
+
+    engine = Engine(EngineConfig.from_parameters({"checkpoint": str(tiny_checkpoint)}, device="cuda:0"))
+    stub, local = _pair(tiny_checkpoint, engine, "GPU")
+    try:
+        requests = _core_requests(tiny_engine, seed=7)
+        # bfloat16 on the GPU: the same kernels on the same rows, compared as the GPU fidelity tests do
+        assert _same(_answers(stub, requests), _answers(local, requests), atol=1e-3)
+    finally:
+        stub.finalize()
 
 
 def _core_requests(tiny_engine, seed: int) -> list[dict]:
@@ -145,7 +171,7 @@ def _answers(handler, requests: list[dict], timeout: float = 60.0) -> list:
     return [s.sent[0][0] for s in senders]
 
 
-def _same(got: list, want: list) -> bool:
+def _same(got: list, want: list, atol: float = 1e-5) -> bool:
     """The same errors, STATUS texts and rows (``wire.unpack_rows``), the span scores within 1e-5:
     two processes' CPU forwards differ by float rounding (up to ~4e-6 seen; the same hits)."""
     from manylora import wire
@@ -162,7 +188,7 @@ def _same(got: list, want: list) -> bool:
             assert (g_row is None) == (w_row is None) and (g_row is None or g_row.keys() == w_row.keys())
             for name in g_row or {}:
                 if name == "scores":
-                    assert np.allclose(g_row[name], w_row[name], rtol=0, atol=1e-5), name
+                    assert np.allclose(g_row[name], w_row[name], rtol=0, atol=atol), name
                 else:
                     assert np.array_equal(g_row[name], w_row[name]), name
     return True

@@ -441,6 +441,9 @@ def test_cpu_per_request_per_stage(tmp_path):
     nameless = {100: Proc(1, ("tritonserver",), 0), 110: Proc(100, (stub, "/r/gliner2/1/model.py"), 40)}
     ticks = bench_server.stage_ticks(nameless, 100, ("gliner2", "gliner2_core"))
     assert ticks == {"gliner2": {110: 40}, "gliner2_core": {}, "tritonserver": {100: 0}}
+    # core_process: on: the GPU stage's worker (a child of its stub) is the GPU stage's CPU
+    worker = {**procs(0, 0, 70, 0, 0), 120: Proc(103, ("python3", "-m", "manylora.core_process", "5"), 30)}
+    assert bench_server.stage_ticks(worker, 100, ("gliner2", "gliner2_core"))["gliner2_core"] == {103: 70, 120: 30}
     per_req = bench_server.cpu_ms_per_request({}, ticks, 10, 100.0)
     assert per_req == {"gliner2": 40.0, "gliner2_core": None, "tritonserver": 0.0}
     assert bench_server.cpu_ms_per_request({}, ticks, 0, 100.0)["gliner2"] is None
@@ -567,7 +570,7 @@ def _fake_server(monkeypatch, fails=()):
         def start(self, timeout):
             started.append(sorted(p.name for p in self.repo.iterdir()))
             self.log.write_text("server log\n")
-            if self.repo.name.removeprefix("repo-") in fails:
+            if self.repo.name.removeprefix("repo-").rsplit("-", 1)[0] in fails:  # repo-<design>-<turn>
                 raise RuntimeError("model 'gliner2' failed to load")
 
         def log_tail(self):
@@ -625,6 +628,17 @@ def test_main_goes_on_when_a_design_does_not_start(tmp_path, monkeypatch, capsys
     assert [r["design"] for r in rows] == ["pipeline"]
     assert "the single server did not start" in capsys.readouterr().out
     assert (tmp_path / "main.single.tritonserver.log").read_text() == "server log\n", "its log is kept"
+
+
+def test_a_design_given_twice_runs_twice_for_alternated_rounds(tmp_path, monkeypatch, engine_params):
+    started = _fake_server(monkeypatch)
+    counts = iter([{"gliner2": {"inference": 40 * n, "execution": 4 * n}} for n in range(10)])
+    _fake_perf_analyzer(monkeypatch, counts, achieved=lambda asked: asked)
+    out = tmp_path / "abba.jsonl"
+    argv = ["--checkpoint", engine_params["checkpoint"], "--design", "pipeline", "pipeline", "--modes", "base"]
+    assert bench_server.main(argv + ["--concurrency", "4", "--requests", "4", "--out", str(out)]) == 0
+    assert len(started) == 2, "one server per turn"
+    assert [json.loads(line)["design"] for line in out.read_text().splitlines()] == ["pipeline", "pipeline"]
 
 
 def test_bench_repository_pipeline_eager_turns_the_cuda_graphs_off(tmp_path, engine_params):
