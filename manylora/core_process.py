@@ -54,7 +54,7 @@ from typing import Optional
 import numpy as np
 
 from manylora import wire
-from manylora.errors import UNAVAILABLE, RequestError
+from manylora.errors import INTERNAL, UNAVAILABLE, RequestError
 from manylora.serving import CoreModelHandler, ExecuteProfiler, core_parts, instance_device, profile_folder
 
 logger = logging.getLogger("manylora.core_process")
@@ -127,9 +127,13 @@ def encode_job(job_id: int, job: tuple[list, list], queued: float) -> bytes:
         "queued": queued,
         "groups": [_error_entry(g) if isinstance(g, RequestError) else list(g) for g in groups],
         "items": entries,
-        "texts": list(texts),
     }
-    return frame("job", header, [wire.pack_arrays(arrays)])
+    # the rows' texts (schemas: untrusted, any size) as one blob with their UTF-8 lengths, not as
+    # JSON strings: JSON escapes every non-ASCII character to 6 bytes (a review found a 46 MB
+    # schema of "é" past the header's bound, which took the worker down)
+    encoded = [t.encode("utf-8") for t in texts]
+    arrays["text_bytes"] = np.array([len(t) for t in encoded], dtype=np.int64)
+    return frame("job", header, [wire.pack_arrays(arrays), b"".join(encoded)])
 
 
 def decode_job(header: dict, blobs: list) -> tuple[list, list]:
@@ -140,7 +144,10 @@ def decode_job(header: dict, blobs: list) -> tuple[list, list]:
     token_ends = np.cumsum(arrays["tokens"], dtype=np.int64).tolist()
     word_ends = np.cumsum(arrays["word_counts"], dtype=np.int64).tolist()
     t_min = arrays["t_min"].astype(np.float64).tolist()
-    texts = header["texts"]
+    ends = np.cumsum(arrays["text_bytes"]).tolist()
+    if (ends[-1] if ends else 0) != len(blobs[1]):
+        raise ValueError("job: the texts do not fill their blob")
+    texts = [bytes(blobs[1][e - n : e]).decode("utf-8") for e, n in zip(ends, arrays["text_bytes"].tolist())]
     items, row, token_start, word_start = [], 0, 0, 0
     for entry in header["items"]:
         if entry[0] == "e":
@@ -181,7 +188,7 @@ def metrics_snapshot(engine) -> dict:
         g for g in (getattr(engine, "graphs", None), getattr(getattr(engine, "heads", None), "graphs", None)) if g
     ]
     return {
-        "events": [[*key, count] for key, count in store.events.items()],
+        "events": [[*key, count] for key, count in list(store.events.items())],
         "graphs": [sum(g.stats["captures"] for g in graphs), sum(g.stats["capture_seconds"] for g in graphs)]
         if graphs
         else None,
@@ -288,8 +295,12 @@ class CoreWorker(CoreModelHandler):
                 entries.append(list(response))
         try:
             self.write(frame("answers", {"job": job_id, "responses": entries}, blobs))
-        except Exception:  # the stub is gone: it answered these requests itself
+        except OSError:  # the stub is gone: it answered these requests itself
             logger.exception("sending the answers of job %s failed", job_id)
+        except Exception:  # a bug: the stub would wait for these answers forever; it fails them
+            logger.exception("the answers of job %s could not be framed: the worker exits", job_id)
+            logging.shutdown()
+            os._exit(70)
 
     def serve(self) -> None:
         """Queue each job until ``stop`` or the end of the socket (the stub is gone)."""
@@ -299,10 +310,21 @@ class CoreWorker(CoreModelHandler):
             except (EOFError, OSError):
                 logger.warning("the stub closed the socket: stopping")
                 return
+            except ValueError:  # a bug: a message of the stub that does not parse (its job's fronts time out)
+                logger.exception("a message from the stub does not parse")
+                continue
             if header["kind"] == "stop":
                 return
-            if header["kind"] == "job":
-                self._jobs.put((header["job"], decode_job(header, blobs), header["queued"]))
+            if header["kind"] != "job":
+                continue
+            try:
+                job = decode_job(header, blobs)
+            except Exception as exc:  # a bug: this job's requests fail, the worker goes on
+                logger.exception("job %s does not decode", header.get("job"))
+                error = self._error(RequestError(INTERNAL, f"the GPU stage's worker could not read the batch: {exc}"))
+                self._send(header.get("job"), [error] * len(header.get("groups", [])))
+                continue
+            self._jobs.put((header["job"], job, header["queued"]))
 
 
 def worker_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -368,7 +390,11 @@ class Worker:
             child.close()
         self.conn = Connection(parent.detach())
         self.pending: dict[int, list] = {}
-        self.lock = threading.Lock()  # the socket's writes and ``pending``
+        self.lock = threading.Lock()  # ``pending`` and ``closed``
+        # the socket's writes, apart: a write that blocks (a worker that does not read) must not
+        # keep the receiver from answering and failing jobs
+        self.write_lock = threading.Lock()
+        self.started = time.monotonic()
         self.closed = False
         self.receiver: Optional[threading.Thread] = None  # the stub's thread reading this socket
         try:
@@ -389,11 +415,12 @@ class Worker:
             if self.closed:
                 return False
             self.pending[job_id] = senders
-            try:
+        try:
+            with self.write_lock:
                 self.conn.send_bytes(data)
-            except OSError:
-                del self.pending[job_id]
-                return False
+        except OSError:
+            # ours to answer unless the receiver's ``close`` took it (then it answers it)
+            return self.take(job_id) is None
         return True
 
     def take(self, job_id: int) -> Optional[list]:
@@ -409,11 +436,13 @@ class Worker:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the worker to answer what it holds and exit; killed after ``timeout``."""
-        with self.lock:
+        if self.write_lock.acquire(timeout=5.0):  # else a write is stuck: the wait below kills it
             try:
                 self.conn.send_bytes(frame("stop"))
             except OSError:
                 pass
+            finally:
+                self.write_lock.release()
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -431,6 +460,7 @@ class CoreProcessHandler(CoreModelHandler):
     runs the engine (module docstring)."""
 
     RESTART_PAUSES = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before each next start after a failed one
+    YOUNG_SECONDS = 60.0  # a worker that dies sooner after its start makes the next restart wait longer
 
     def __init__(self, args: dict, pb_utils, config):
         from manylora.control import UnsafeControlDir, resolve_control_dir
@@ -460,6 +490,7 @@ class CoreProcessHandler(CoreModelHandler):
         self._down_since: Optional[str] = None  # why there is no worker now (None: there is one)
         self._worker: Optional[Worker] = None
         self._started = 0  # workers started so far
+        self._deaths = 0  # workers in a row that died young
         self._start(Worker(self._args))  # a failed load fails the model's load
         self.vocab = self._worker.vocab
         self.overlap = True
@@ -473,15 +504,15 @@ class CoreProcessHandler(CoreModelHandler):
         with self._state:
             if self._started and self.metrics is not None:  # a new worker counts from 0 again
                 try:
-                    self.metrics.restart_counts()
+                    self.metrics.restart_counts(keep={("phase", phase) for phase in self.phases})
                 except Exception:
                     logger.exception("resetting the GPU stage's metric counts failed")
             self._started += 1
+            worker.receiver = threading.Thread(
+                target=self._receive, args=(worker,), name="manylora-core-receive", daemon=True
+            )
             self._worker, self._down_since = worker, None
         logger.info("the GPU stage's worker %d is ready", worker.pid)
-        worker.receiver = threading.Thread(
-            target=self._receive, args=(worker,), name="manylora-core-receive", daemon=True
-        )
         worker.receiver.start()
 
     def execute(self, requests: list):
@@ -506,42 +537,57 @@ class CoreProcessHandler(CoreModelHandler):
 
     def _receive(self, worker: Worker) -> None:
         """Answer the worker's jobs and publish its metrics until its socket ends."""
-        while True:
-            try:
-                header, blobs = unframe(worker.conn.recv_bytes())
-            except (EOFError, OSError, ValueError):
-                break
-            started, cpu = time.perf_counter(), time.thread_time()
-            if header["kind"] == "answers":
-                senders = worker.take(header["job"])
-                if senders is None:
-                    logger.error("answers for an unknown job %s", header["job"])
-                    continue
-                self._send(senders, self._responses_of(header["responses"], blobs))
-                self._add("respond", time.perf_counter() - started)
-                self._add("respond_cpu", time.thread_time() - cpu)
-            elif header["kind"] == "metrics" and self.metrics is not None:
+        try:
+            while True:
                 try:
-                    self.metrics.publish(EngineView(header, self.phases))
-                except Exception:
-                    logger.exception("publishing the GPU stage's metrics failed")
-        self._lost(worker)
+                    header, blobs = unframe(worker.conn.recv_bytes())
+                except (EOFError, OSError):
+                    return
+                except ValueError:  # a bug: the worker and its jobs are given up (finally)
+                    logger.exception("a message from the GPU stage's worker does not parse")
+                    return
+                started, cpu = time.perf_counter(), time.thread_time()
+                if header["kind"] == "answers":
+                    senders = worker.take(header["job"])
+                    if senders is None:
+                        logger.error("answers for an unknown job %s", header["job"])
+                        continue
+                    self._send(senders, self._responses_of(header["responses"], blobs, len(senders)))
+                    self._add("respond", time.perf_counter() - started)
+                    self._add("respond_cpu", time.thread_time() - cpu)
+                elif header["kind"] == "metrics" and self.metrics is not None:
+                    try:
+                        self.metrics.publish(EngineView(header, self.phases))
+                    except Exception:
+                        logger.exception("publishing the GPU stage's metrics failed")
+        except Exception:  # a bug here must not leave the worker's jobs unanswered
+            logger.exception("the GPU stage's receiver failed: its worker is stopped")
+        finally:
+            self._lost(worker)
 
-    def _responses_of(self, entries: list, blobs: list) -> list:
+    def _responses_of(self, entries: list, blobs: list, count: int) -> list:
+        """The ``count`` responses of a job's answers; one that cannot be built is INTERNAL."""
         blob = iter(blobs)
         responses = []
-        for entry in entries:
-            if entry[0] == "ok":
-                statuses = [s.encode("utf-8") for s in entry[1]]
-                responses.append(self._core_pb_response(statuses, bytes(next(blob))))
-            else:
-                responses.append(self._error(RequestError(entry[1], entry[2])))
+        for k in range(count):
+            try:
+                entry = entries[k]
+                if entry[0] == "ok":
+                    statuses = [s.encode("utf-8") for s in entry[1]]
+                    responses.append(self._core_pb_response(statuses, bytes(next(blob))))
+                else:
+                    responses.append(self._error(RequestError(entry[1], entry[2])))
+            except Exception as exc:
+                logger.exception("building a GPU-stage response failed")
+                responses.append(self._error(RequestError(INTERNAL, f"answer failed: {type(exc).__name__}: {exc}")))
         return responses
 
     def _lost(self, worker: Worker) -> None:
         """The worker's socket ended: answer its jobs UNAVAILABLE, and start a new one."""
         pending = worker.close()
-        code = worker.process.wait()
+        worker.kill()  # gone already, or given up by a failed receiver
+        worker.conn.close()  # after the kill: a write stuck in it has failed by now
+        code = worker.process.returncode
         if self._stopping:
             why = "the model is unloading"
         else:
@@ -553,17 +599,23 @@ class CoreProcessHandler(CoreModelHandler):
             if self._worker is not worker:
                 return
             self._worker, self._down_since = None, f"restarting: {why}"
+        # a worker that dies young (a request or an adapter that kills it again) does not restart at
+        # once: the pauses go on growing from where the last restart left them
+        young = time.monotonic() - worker.started < self.YOUNG_SECONDS
+        self._deaths = self._deaths + 1 if young else 0
         if not self._stopping:
-            threading.Thread(target=self._restart, name="manylora-core-restart", daemon=True).start()
+            threading.Thread(
+                target=self._restart, args=(self._deaths,), name="manylora-core-restart", daemon=True
+            ).start()
 
-    def _restart(self) -> None:
-        for attempt in itertools.count():
+    def _restart(self, first: int) -> None:
+        for attempt in itertools.count(first):
             time.sleep(self.RESTART_PAUSES[min(attempt, len(self.RESTART_PAUSES) - 1)])
             if self._stopping:
                 return
             try:
                 worker = Worker(self._args)
-            except WorkerFailed as exc:
+            except Exception as exc:  # WorkerFailed, or the start itself (fork: EAGAIN, ENOMEM)
                 logger.error("starting the GPU stage's worker again failed: %s", exc)
                 with self._state:
                     self._down_since = f"its restart failed: {exc}"
@@ -579,7 +631,7 @@ class CoreProcessHandler(CoreModelHandler):
         with self._state:
             worker = self._worker
         if worker is not None:
-            worker.stop()  # it answers its queued jobs, then exits; the receiver fails the rest
+            worker.stop(timeout=70)  # it answers its queued jobs, then exits; the receiver fails the rest
             worker.receiver.join(30)
         self.overlap = False
         self.profiler.dump()

@@ -106,10 +106,11 @@ class AdapterMetrics:
             phases,
         )
 
-    def restart_counts(self) -> None:
+    def restart_counts(self, keep=()) -> None:
         """The engine's counters start from 0 again (a new ``core_process`` worker): later totals
-        are added to the published ones, not taken as their new values."""
-        self._published = {}
+        are added to the published ones, not taken as their new values. ``keep``: the counters
+        (``("phase", name)`` keys) that did not restart (the stub's own phases)."""
+        self._published = {key: total for key, total in self._published.items() if key in keep}
 
     def close(self) -> None:
         """Release the metrics, then their families (Triton's required order)."""

@@ -840,7 +840,7 @@ class CoreModelHandler(TritonModelHandler):
                 responses = self._responses(job, answers)
             except Exception as exc:  # never leave a request unanswered
                 logger.exception("building GPU-stage responses failed")
-                responses = [self._error(RequestError(INTERNAL, f"answer failed: {exc}"))] * len(senders)
+                responses = [self._error(RequestError(INTERNAL, f"answer failed: {exc}"))] * len(job[0])
             packed = time.perf_counter()
             self._send(senders, responses)
             done = time.perf_counter()

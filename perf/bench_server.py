@@ -1321,7 +1321,7 @@ def main(argv=None) -> int:
                 if server is not None:
                     server.stop()
                 if log.is_file():
-                    shutil.copy(log, args.out.with_suffix(f".{design}.tritonserver.log"))
+                    shutil.copy(log, args.out.with_suffix(f".{design}{f'-{turn}' if turn else ''}.tritonserver.log"))
     finally:
         gpu.stop()
         if rows:

@@ -168,6 +168,7 @@ def test_a_killed_worker_fails_its_requests_and_a_new_one_serves(server, referen
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads), "a client is still waiting"
     failed = [status for _, status in outcomes if status != "ok"]
+    assert failed, "requests sent while the worker was down failed"
     assert all(status.startswith(GRPC_STATUS["UNAVAILABLE"]) for status in failed), set(failed)
     assert all("worker process is not running" in status for status in failed), set(failed)
     assert all(seconds < 30 for seconds, _ in outcomes), max(outcomes)

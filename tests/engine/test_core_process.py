@@ -65,6 +65,18 @@ def test_a_job_crosses_the_socket_as_parse_made_it(rows, seed):
         assert got[2:] == want[2:]  # schema, adapter and the threshold (exact: FP32 on the wire)
 
 
+def test_a_huge_schema_travels_as_a_blob_not_in_the_header():
+    """Schemas are untrusted and of any size: a review sent a 46 MB schema of "é" (6 bytes each in
+    JSON) past the header's bound, which took the worker down. They travel as raw UTF-8."""
+    schema = "é" * 300_000
+    item = (np.arange(5, dtype=np.int64), np.arange(3, dtype=np.int64), schema, "", 0.5)
+    data = core_process.encode_job(1, ([(0, 1)], [item]), 0.0)
+    header, blobs = core_process.unframe(data)
+    assert len(data) - sum(len(b) for b in blobs) < 1024, "the header does not grow with the schema"
+    (row,) = core_process.decode_job(header, blobs)[1]
+    assert row[2] == schema
+
+
 def test_a_malformed_message_is_refused():
     data = core_process.frame("answers", {"job": 1}, [b"abc", b""])
     header, blobs = core_process.unframe(data)
@@ -80,13 +92,13 @@ class _Pb(FakePb):
 
 class _Metrics(NoMetrics):
     def __init__(self):
-        self.views, self.restarts = [], 0
+        self.views, self.restarts = [], []
 
     def publish(self, engine) -> None:
         self.views.append(engine)
 
-    def restart_counts(self) -> None:
-        self.restarts += 1
+    def restart_counts(self, keep=()) -> None:
+        self.restarts.append(set(keep))
 
     def close(self) -> None:
         pass
@@ -215,11 +227,53 @@ def test_the_worker_answers_what_the_in_process_stage_answers(handlers, tiny_eng
     assert rows() == 9, "the calls' rows (6, then 3) reach the metrics, once each"
 
 
+def test_a_response_that_cannot_be_built_fails_alone(handlers, tiny_engine, monkeypatch):
+    """A bug in the stub's receiver while building one response (a review made it raise once):
+    that request gets INTERNAL, the job's others and the next jobs are answered."""
+    stub, local = handlers
+    requests = _core_requests(tiny_engine, seed=8)
+    build, calls = stub._core_pb_response, []
+
+    def once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return build(*args)
+
+    monkeypatch.setattr(stub, "_core_pb_response", once)
+    got = _answers(stub, requests)
+    assert got[0].has_error() and got[0].error().code == _Pb.TritonError.INTERNAL and "boom" in got[0].error().message()
+    assert got[1].has_error() and "T_MIN" in got[1].error().message() and not got[2].has_error()
+    assert _same(_answers(stub, requests), _answers(local, requests)), "the next job is answered as before"
+
+
 def test_a_killed_worker_fails_its_jobs_and_a_new_one_answers_the_same(handlers, tiny_engine):
+    from manylora.demo import demo_texts
+    from manylora.engine import Request
+
     stub, local = handlers
     requests = _core_requests(tiny_engine, seed=6)
+    # a job in flight when the worker dies: long rows, so that it is still in the worker's hands
+    long = [
+        tiny_engine.pre.prepare(i, Request(t, '{"entities": ["company"]}'))
+        for i, t in enumerate(demo_texts(24, seed=9, min_words=300, max_words=400))
+    ]
+    from manylora.serving import TritonModelHandler
+
+    front = TritonModelHandler.__new__(TritonModelHandler)
+    front.pb_utils, front.core_model = _Pb, "gliner2_core"
+    in_flight = [_SenderRequest(front._core_request(long[i : i + 8]).inputs) for i in (0, 8, 16)]
     old = stub._worker.pid
+    assert stub.execute(in_flight) is None
     os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not all(r.sent for r in in_flight) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for r in in_flight:  # each exactly once: an answer if the worker was quicker, else UNAVAILABLE
+        assert len(r.sent) == 1, "one response per request"
+        response = r.sent[0][0]
+        assert not response.has_error() or "exited with code -9" in response.error().message()
+    assert any(r.sent[0][0].has_error() for r in in_flight), "the kill found the job in the worker"
     deadline = time.monotonic() + 10
     while stub._worker is not None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -230,5 +284,7 @@ def test_a_killed_worker_fails_its_jobs_and_a_new_one_answers_the_same(handlers,
     while stub._worker is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stub._worker is not None and stub._worker.pid != old, "a new worker was started"
-    assert stub.metrics.restarts == 1, "the new worker's counts start from 0"
+    assert stub.metrics.restarts == [{("phase", "parse"), ("phase", "respond"), ("phase", "respond_cpu")}], (
+        "the new worker's counts start from 0, the stub's phases go on"
+    )
     assert _same(_answers(stub, requests), _answers(local, requests))

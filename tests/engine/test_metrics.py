@@ -107,3 +107,32 @@ def test_phase_seconds_are_published_per_phase_as_deltas():
     values = {phase: metric.value for phase, metric in metrics.phases.items()}
     assert values == {"prepare": 0.5, "forward": 1.25, "idle": 2.0}
     assert metrics.phases["idle"].labels == {"model": "gliner2_core", "instance": "0", "phase": "idle"}
+
+
+def test_a_new_core_process_worker_counts_from_zero_and_the_stubs_phases_go_on():
+    """core_process: the stub publishes its worker's snapshots (core_process.EngineView). A new
+    worker's counters start again from 0: they are added to what was published; the stub's own
+    phases (parse, respond) did not restart and keep growing by their deltas."""
+    from manylora.core_process import EngineView
+
+    def view(hits: int, prepare: float, parse: float) -> EngineView:
+        snapshot = {
+            "events": [["hit", "host", hits]],
+            "graphs": None,
+            "phases": {"prepare": prepare},
+            "resident": {"host": 1, "gpu": 0},
+            "loading": 0,
+            "host_bytes": 0,
+            "loads": {},
+            "batches": [],
+            "calls": [[3, 0.5, [0.1]]],
+        }
+        return EngineView(snapshot, {"parse": parse})
+
+    metrics = AdapterMetrics(SimpleNamespace(MetricFamily=_Family), {"model": "gliner2_core", "instance": "0"})
+    metrics.publish(view(hits=10, prepare=4.0, parse=1.0))
+    metrics.restart_counts(keep={("phase", "parse")})  # the worker died; its successor starts at 0
+    metrics.publish(view(hits=2, prepare=0.5, parse=1.5))
+    assert metrics.cache[("hit", "host")].value == 12
+    assert {p: m.value for p, m in metrics.phases.items()} == {"prepare": 4.5, "parse": 1.5}
+    assert metrics.call_rows.observed == [3, 3]
