@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 from google.protobuf import text_format
 from manylora.client import protocol
 from tritonclient.grpc import model_config_pb2
-from tritonclient.utils import np_to_triton_dtype
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 REPO_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "gliner2"
 REPO_CORE_MODEL = REPO_MODEL.parent / "gliner2_core"
@@ -199,8 +199,8 @@ def reference_answer(model, request: protocol.Request):
     return json.loads(json.dumps(result))  # tuples become lists
 
 
-def stub_pids(server_pid: int, instance: str) -> list[int]:
-    """Python backend stub processes of the server serving model instance ``instance`` (e.g. gliner2_0_0)."""
+def child_pids(parent_pid: int, match: Callable[[list[bytes]], bool]) -> list[int]:
+    """Processes whose parent is ``parent_pid`` and whose command line (its arguments) ``match``es."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -211,10 +211,44 @@ def stub_pids(server_pid: int, instance: str) -> list[int]:
         except OSError:
             continue
         ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), None)
-        if ppid == server_pid and any(arg.endswith(b"triton_python_backend_stub") for arg in cmdline):
-            if instance.encode() in cmdline:
-                pids.append(int(proc.name))
+        if ppid == parent_pid and match(cmdline):
+            pids.append(int(proc.name))
     return pids
+
+
+def stub_pids(server_pid: int, instance: str) -> list[int]:
+    """Python backend stub processes of the server serving model instance ``instance`` (e.g. gliner2_0_0)."""
+    return child_pids(
+        server_pid,
+        lambda args: any(a.endswith(b"triton_python_backend_stub") for a in args) and instance.encode() in args,
+    )
+
+
+def closed_loop(url: str, request_of: Callable[[int], protocol.Request], clients: int, timeout: float = 60.0):
+    """``clients`` threads, each sending ``request_of(i)`` in turn (i = its index, then + clients)
+    until the returned event is set; ``outcomes`` gets (sent, seconds, "ok" or "<gRPC status>
+    <message>") per request. Returns (outcomes, stop event, threads)."""
+    outcomes: list[tuple[float, float, str]] = []
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        own = grpcclient.InferenceServerClient(url)
+        i = k
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                own.infer(
+                    protocol.MODEL_NAME, infer_inputs(grpcclient, request_of(i).to_arrays()), client_timeout=timeout
+                )
+                outcomes.append((sent, time.monotonic() - sent, "ok"))
+            except InferenceServerException as exc:
+                outcomes.append((sent, time.monotonic() - sent, f"{exc.status()} {exc.message()}"))
+            i += clients
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(clients)]
+    for thread in threads:
+        thread.start()
+    return outcomes, stop, threads
 
 
 def stub_shm_region(stub_pid: int) -> Path | None:

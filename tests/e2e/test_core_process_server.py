@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from fault_tools import (
     GRPC_STATUS,
+    child_pids,
+    closed_loop,
     infer_inputs,
     metrics_when,
     pipeline_loads,
@@ -66,19 +65,7 @@ def server(tmp_path_factory, triton_server_factory, tiny_checkpoint, demo_adapte
 def _worker_pids(server) -> list[int]:
     """The worker processes (children of the gliner2_core stub running manylora.core_process)."""
     (stub,) = stub_pids(server.process.pid, CORE_INSTANCE)
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            status = (proc / "status").read_text()
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), None)
-        if ppid == stub and b"manylora.core_process" in cmdline:
-            pids.append(int(proc.name))
-    return pids
+    return child_pids(stub, lambda args: b"manylora.core_process" in args)
 
 
 def test_mixed_adapters_equal_peft_and_a_bad_request_fails_alone(server, demo_adapters, peft_reference):
@@ -138,40 +125,23 @@ def test_a_killed_worker_fails_its_requests_and_a_new_one_serves(server, referen
     client = grpcclient.InferenceServerClient(server.grpc_url)
     schema = json.dumps(demo_schemas()[0])
     requests = [protocol.Request(t, schema) for t in demo_texts(8, seed=91, min_words=150, max_words=250)]
-    outcomes: list[tuple[float, str]] = []
-    stop = threading.Event()
-
-    def load(k: int) -> None:
-        own = grpcclient.InferenceServerClient(server.grpc_url)
-        i = k
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                own.infer("gliner2", infer_inputs(grpcclient, requests[i % 8].to_arrays()), client_timeout=60)
-                outcomes.append((time.monotonic() - sent, "ok"))
-            except InferenceServerException as exc:
-                outcomes.append((time.monotonic() - sent, f"{exc.status()} {exc.message()}"))
-            i += 4
-
-    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(4)]
-    for thread in threads:
-        thread.start()
+    outcomes, stop, threads = closed_loop(server.grpc_url, lambda i: requests[i % 8], 4)
     assert wait_until(lambda: len(outcomes) >= 4, 60), "the load is answered"
     (worker,) = _worker_pids(server)
     os.kill(worker, signal.SIGKILL)
     killed = len(outcomes)
     # the new worker loads its engine (seconds); the clients' requests fail meanwhile
-    assert wait_until(lambda: any(o[1] == "ok" for o in outcomes[killed + 8 :]), 120), "a new worker serves"
+    assert wait_until(lambda: any(o[2] == "ok" for o in outcomes[killed + 8 :]), 120), "a new worker serves"
     assert len(_worker_pids(server)) == 1 and _worker_pids(server) != [worker]
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads), "a client is still waiting"
-    failed = [status for _, status in outcomes if status != "ok"]
+    failed = [status for _, _, status in outcomes if status != "ok"]
     assert failed, "requests sent while the worker was down failed"
     assert all(status.startswith(GRPC_STATUS["UNAVAILABLE"]) for status in failed), set(failed)
     assert all("worker process is not running" in status for status in failed), set(failed)
-    assert all(seconds < 30 for seconds, _ in outcomes), max(outcomes)
+    assert all(seconds < 30 for _, seconds, _ in outcomes), max(o[1] for o in outcomes)
     assert client.is_model_ready("gliner2_core"), "no reload was needed"
     for request in requests[:2]:
         answer = client.infer("gliner2", infer_inputs(grpcclient, request.to_arrays()), client_timeout=60)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 import tritonclient.grpc as grpcclient
 from fault_tools import (
     GRPC_STATUS,
+    closed_loop,
     infer_inputs,
     pipeline_loads,
     reference_answer,
@@ -27,7 +27,6 @@ from fault_tools import (
     write_gliner2_model,
 )
 from manylora.client import protocol
-from tritonclient.utils import InferenceServerException
 
 from manylora.compare import result_differences
 from manylora.demo import demo_schemas, demo_texts
@@ -57,24 +56,7 @@ def _request(i: int) -> protocol.Request:
 def _kill_under_load(server) -> list[tuple[float, float, str]]:
     """CLIENTS clients in a closed loop; the GPU stage's stub killed once they are answered; the
     outcomes (seconds, "ok" or the gRPC status) of the requests answered after the kill."""
-    outcomes: list[tuple[float, float, str]] = []  # (sent, seconds, "ok" or the gRPC status)
-    stop = threading.Event()
-
-    def load(k: int) -> None:
-        own = grpcclient.InferenceServerClient(server.grpc_url)
-        i = k
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                own.infer(protocol.MODEL_NAME, infer_inputs(grpcclient, _request(i).to_arrays()), client_timeout=60)
-                outcomes.append((sent, time.monotonic() - sent, "ok"))
-            except InferenceServerException as exc:
-                outcomes.append((sent, time.monotonic() - sent, f"{exc.status()} {exc.message()}"))
-            i += CLIENTS
-
-    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
+    outcomes, stop, threads = closed_loop(server.grpc_url, _request, CLIENTS)
     assert wait_until(lambda: sum(o[2] == "ok" for o in outcomes) >= 4, 60), "the load is answered"
     (core,) = stub_pids(server.process.pid, CORE_INSTANCE)
     os.kill(core, signal.SIGKILL)
