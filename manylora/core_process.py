@@ -105,14 +105,15 @@ def encode_job(job_id: int, job: tuple[list, list], queued: float) -> bytes:
     ``time.monotonic()`` (one clock for both processes) for the queue-time metric."""
     groups, items = job
     texts: dict[str, int] = {}
-    entries, rows = [], []
-    for item in items:
+    errors, schema_of, adapter_of, rows = [], [], [], []  # per item its texts' indices (-1: an error)
+    for index, item in enumerate(items):
         if isinstance(item, RequestError):
-            entries.append(_error_entry(item))
+            errors.append([index, item.code, item.message])  # messages are capped (errors.cap_message)
+            schema_of.append(-1)
+            adapter_of.append(-1)
             continue
-        schema = texts.setdefault(item[2], len(texts))
-        adapter = texts.setdefault(item[3], len(texts))
-        entries.append(["r", schema, adapter])
+        schema_of.append(texts.setdefault(item[2], len(texts)))
+        adapter_of.append(texts.setdefault(item[3], len(texts)))
         rows.append(item)
     arrays = {
         "ids": np.concatenate([r[0] for r in rows]).astype(np.int32) if rows else np.zeros(0, np.int32),
@@ -121,12 +122,15 @@ def encode_job(job_id: int, job: tuple[list, list], queued: float) -> bytes:
         "word_counts": np.array([len(r[1]) for r in rows], dtype=np.int32),
         # float32 is exact: T_MIN arrives as FP32 (CoreModelHandler._items widens it to float64)
         "t_min": np.array([r[4] for r in rows], dtype=np.float32),
+        # per item, not in the JSON header: a header's size must not grow with the rows
+        "schema_of": np.array(schema_of, dtype=np.int32),
+        "adapter_of": np.array(adapter_of, dtype=np.int32),
     }
     header = {
         "job": job_id,
         "queued": queued,
         "groups": [_error_entry(g) if isinstance(g, RequestError) else list(g) for g in groups],
-        "items": entries,
+        "errors": errors,
     }
     # the rows' texts (schemas: untrusted, any size) as one blob with their UTF-8 lengths, not as
     # JSON strings: JSON escapes every non-ASCII character to 6 bytes (a review found a 46 MB
@@ -144,21 +148,23 @@ def decode_job(header: dict, blobs: list) -> tuple[list, list]:
     token_ends = np.cumsum(arrays["tokens"], dtype=np.int64).tolist()
     word_ends = np.cumsum(arrays["word_counts"], dtype=np.int64).tolist()
     t_min = arrays["t_min"].astype(np.float64).tolist()
-    ends = np.cumsum(arrays["text_bytes"]).tolist()
-    if (ends[-1] if ends else 0) != len(blobs[1]):
+    lengths = arrays["text_bytes"]
+    ends = np.cumsum(lengths).tolist()
+    if (lengths < 0).any() or (ends[-1] if ends else 0) != len(blobs[1]):
         raise ValueError("job: the texts do not fill their blob")
     texts = [bytes(blobs[1][e - n : e]).decode("utf-8") for e, n in zip(ends, arrays["text_bytes"].tolist())]
+    errors = {index: RequestError(code, message) for index, code, message in header["errors"]}
     items, row, token_start, word_start = [], 0, 0, 0
-    for entry in header["items"]:
-        if entry[0] == "e":
-            items.append(RequestError(entry[1], entry[2]))
+    for index, (schema, adapter) in enumerate(zip(arrays["schema_of"].tolist(), arrays["adapter_of"].tolist())):
+        if schema < 0:
+            items.append(errors[index])
             continue
         items.append(
             (
                 ids[token_start : token_ends[row]],
                 words[word_start : word_ends[row]],
-                texts[entry[1]],
-                texts[entry[2]],
+                texts[schema],
+                texts[adapter],
                 t_min[row],
             )
         )
@@ -283,16 +289,21 @@ class CoreWorker(CoreModelHandler):
 
     def _core_response(self, rows: list):
         statuses, packed = core_parts(rows)
-        return ("ok", [s.decode("utf-8") for s in statuses], packed)
+        return ("ok", statuses, packed)
 
     def _send(self, job_id, responses: list) -> None:
         entries, blobs = [], []
         for response in responses:
-            if response[0] == "ok":
-                entries.append(["ok", response[1]])
-                blobs.append(response[2])
+            if response[0] == "ok":  # three blobs: COMPACT, the STATUS texts' lengths, the texts
+                statuses = response[1]
+                entries.append(["ok"])
+                blobs += [
+                    response[2],
+                    np.array([len(t) for t in statuses], dtype=np.int64).tobytes(),
+                    b"".join(statuses),
+                ]
             else:
-                entries.append(list(response))
+                entries.append(list(response))  # a request's error: its message is capped
         try:
             self.write(frame("answers", {"job": job_id, "responses": entries}, blobs))
         except OSError:  # the stub is gone: it answered these requests itself
@@ -310,21 +321,23 @@ class CoreWorker(CoreModelHandler):
             except (EOFError, OSError):
                 logger.warning("the stub closed the socket: stopping")
                 return
-            except ValueError:  # a bug: a message of the stub that does not parse (its job's fronts time out)
-                logger.exception("a message from the stub does not parse")
-                continue
+            except ValueError:  # a bug: whose job it was is unknown; the stub fails them all
+                logger.exception("a message from the stub does not parse: the worker exits")
+                logging.shutdown()
+                os._exit(70)
             if header["kind"] == "stop":
                 return
             if header["kind"] != "job":
                 continue
             try:
                 job = decode_job(header, blobs)
+                queued = float(header["queued"])
             except Exception as exc:  # a bug: this job's requests fail, the worker goes on
                 logger.exception("job %s does not decode", header.get("job"))
                 error = self._error(RequestError(INTERNAL, f"the GPU stage's worker could not read the batch: {exc}"))
-                self._send(header.get("job"), [error] * len(header.get("groups", [])))
+                self._send(header.get("job"), [error] * len(header.get("groups") or []))
                 continue
-            self._jobs.put((header["job"], job, header["queued"]))
+            self._jobs.put((header["job"], job, queued))
 
 
 def worker_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -344,11 +357,19 @@ def worker_main(argv: Optional[Sequence[str]] = None) -> int:
         logger.exception("the GPU stage's worker failed to load")
         conn.send_bytes(frame("failed", {"message": f"{type(exc).__name__}: {exc}"}))
         return 1
-    worker.write(frame("ready", {"vocab": worker.vocab, "pid": os.getpid()}))
-    worker.serve()
-    worker.finalize()  # the queued jobs are answered first
-    logging.shutdown()
-    os._exit(0)  # no interpreter teardown: the GPU thread may still hold CUDA, the stub waits for the exit
+    code = 0
+    try:
+        worker.write(frame("ready", {"vocab": worker.vocab, "pid": os.getpid()}))
+        worker.serve()
+    except BaseException:  # a bug: the stub fails what is left once this process is gone
+        logger.exception("the worker's loop failed")
+        code = 70
+    finally:
+        try:
+            worker.finalize()  # the queued jobs are answered first
+        finally:
+            logging.shutdown()
+            os._exit(code)  # no interpreter teardown: the GPU thread may still hold CUDA, the stub waits for the exit
 
 
 # ---------------------------------------------------------------------------- the stub's side
@@ -394,7 +415,7 @@ class Worker:
         # the socket's writes, apart: a write that blocks (a worker that does not read) must not
         # keep the receiver from answering and failing jobs
         self.write_lock = threading.Lock()
-        self.started = time.monotonic()
+        self.started = 0.0  # time.monotonic() once ready
         self.closed = False
         self.receiver: Optional[threading.Thread] = None  # the stub's thread reading this socket
         try:
@@ -408,6 +429,7 @@ class Worker:
             raise WorkerFailed(str(header.get("message", header)))
         self.pid = header["pid"]
         self.vocab = int(header["vocab"])
+        self.started = time.monotonic()
 
     def submit(self, job_id: int, senders: list, data: bytes) -> bool:
         """Send a job; False if this worker is gone (then its senders are not kept)."""
@@ -418,7 +440,7 @@ class Worker:
         try:
             with self.write_lock:
                 self.conn.send_bytes(data)
-        except OSError:
+        except Exception:  # OSError; TypeError when ``_lost`` closed the socket mid-write
             # ours to answer unless the receiver's ``close`` took it (then it answers it)
             return self.take(job_id) is None
         return True
@@ -436,18 +458,24 @@ class Worker:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the worker to answer what it holds and exit; killed after ``timeout``."""
-        if self.write_lock.acquire(timeout=5.0):  # else a write is stuck: the wait below kills it
-            try:
-                self.conn.send_bytes(frame("stop"))
-            except OSError:
-                pass
-            finally:
-                self.write_lock.release()
+        timer = threading.Timer(timeout, self._overdue, args=(timeout,))  # also ends a write stuck below
+        timer.daemon = True
+        timer.start()
         try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.error("the GPU stage's worker %d did not stop within %g s: killed", self.process.pid, timeout)
-            self.kill()
+            if self.write_lock.acquire(timeout=timeout):
+                try:
+                    self.conn.send_bytes(frame("stop"))
+                except Exception:  # gone already
+                    pass
+                finally:
+                    self.write_lock.release()
+            self.process.wait()
+        finally:
+            timer.cancel()
+
+    def _overdue(self, timeout: float) -> None:
+        logger.error("the GPU stage's worker %d did not stop within %g s: killed", self.process.pid, timeout)
+        self.kill()
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -507,13 +535,16 @@ class CoreProcessHandler(CoreModelHandler):
                     self.metrics.restart_counts(keep={("phase", phase) for phase in self.phases})
                 except Exception:
                     logger.exception("resetting the GPU stage's metric counts failed")
+            if self._stopping:  # finalize came first: this worker is not needed
+                worker.stop()
+                return
             self._started += 1
             worker.receiver = threading.Thread(
                 target=self._receive, args=(worker,), name="manylora-core-receive", daemon=True
             )
+            worker.receiver.start()
             self._worker, self._down_since = worker, None
         logger.info("the GPU stage's worker %d is ready", worker.pid)
-        worker.receiver.start()
 
     def execute(self, requests: list):
         started = time.perf_counter()
@@ -552,7 +583,7 @@ class CoreProcessHandler(CoreModelHandler):
                     if senders is None:
                         logger.error("answers for an unknown job %s", header["job"])
                         continue
-                    self._send(senders, self._responses_of(header["responses"], blobs, len(senders)))
+                    self._send(senders, self._responses_of(header.get("responses"), blobs, len(senders)))
                     self._add("respond", time.perf_counter() - started)
                     self._add("respond_cpu", time.thread_time() - cpu)
                 elif header["kind"] == "metrics" and self.metrics is not None:
@@ -573,8 +604,10 @@ class CoreProcessHandler(CoreModelHandler):
             try:
                 entry = entries[k]
                 if entry[0] == "ok":
-                    statuses = [s.encode("utf-8") for s in entry[1]]
-                    responses.append(self._core_pb_response(statuses, bytes(next(blob))))
+                    packed, lengths, texts = bytes(next(blob)), next(blob), bytes(next(blob))
+                    ends = np.cumsum(np.frombuffer(lengths, dtype=np.int64)).tolist()
+                    statuses = [texts[e - n : e] for e, n in zip(ends, np.diff([0, *ends]).tolist())]
+                    responses.append(self._core_pb_response(statuses, packed))
                 else:
                     responses.append(self._error(RequestError(entry[1], entry[2])))
             except Exception as exc:
@@ -586,7 +619,11 @@ class CoreProcessHandler(CoreModelHandler):
         """The worker's socket ended: answer its jobs UNAVAILABLE, and start a new one."""
         pending = worker.close()
         worker.kill()  # gone already, or given up by a failed receiver
-        worker.conn.close()  # after the kill: a write stuck in it has failed by now
+        if worker.write_lock.acquire(timeout=5.0):  # after the kill a write in progress fails soon
+            try:
+                worker.conn.close()
+            finally:
+                worker.write_lock.release()
         code = worker.process.returncode
         if self._stopping:
             why = "the model is unloading"
@@ -620,15 +657,13 @@ class CoreProcessHandler(CoreModelHandler):
                 with self._state:
                     self._down_since = f"its restart failed: {exc}"
                 continue
-            if self._stopping:
-                worker.stop()
-                return
+            self._deaths = attempt  # where the pauses go on from if this one dies young too
             self._start(worker)
             return
 
     def finalize(self) -> None:
-        self._stopping = True
         with self._state:
+            self._stopping = True
             worker = self._worker
         if worker is not None:
             worker.stop(timeout=70)  # it answers its queued jobs, then exits; the receiver fails the rest

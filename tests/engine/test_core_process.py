@@ -75,6 +75,11 @@ def test_a_huge_schema_travels_as_a_blob_not_in_the_header():
     assert len(data) - sum(len(b) for b in blobs) < 1024, "the header does not grow with the schema"
     (row,) = core_process.decode_job(header, blobs)[1]
     assert row[2] == schema
+    # nor with the rows (a review: ~10 bytes a row in the header passed its bound at ~6.7 M rows)
+    many = [(np.arange(1, dtype=np.int64), np.arange(1, dtype=np.int64), "{}", "", 0.5)] * 20_000
+    data = core_process.encode_job(2, ([(0, len(many))], many), 0.0)
+    _, blobs = core_process.unframe(data)
+    assert len(data) - sum(len(b) for b in blobs) < 1024
 
 
 def test_a_malformed_message_is_refused():
@@ -168,6 +173,9 @@ def _core_requests(tiny_engine, seed: int) -> list[dict]:
     prepared = [tiny_engine.pre.prepare(i, Request(t, schemas[i % len(schemas)])) for i, t in enumerate(texts)]
     requests = [front._core_request(prepared[i : i + 3]).inputs for i in (0, 3, 6)]
     requests[1] = {**requests[1], "T_MIN": np.full_like(requests[1]["T_MIN"], 2.0)}  # INVALID_ARG, this one alone
+    adapters = requests[0]["ADAPTER_ID"].copy()
+    adapters.reshape(-1)[1] = "é-no-such-adapter".encode()  # NOT_FOUND in that row's STATUS alone
+    requests[0] = {**requests[0], "ADAPTER_ID": adapters}
     return requests
 
 
@@ -213,6 +221,8 @@ def test_the_worker_answers_what_the_in_process_stage_answers(handlers, tiny_eng
     assert _same(got, want)
     assert got[1].has_error() and "T_MIN" in got[1].error().message()
     assert not got[0].has_error() and not got[2].has_error()
+    status = got[0].output_tensors[0].as_numpy().reshape(-1).tolist()
+    assert status[0] == status[2] == b"" and status[1].startswith(b"NOT_FOUND\t"), status
     time.sleep(stub.config.metrics_interval + 0.2)
     _answers(stub, requests[:1])  # a publish is due after this call
 
