@@ -55,12 +55,14 @@ import numpy as np
 
 from manylora import wire
 from manylora.errors import INTERNAL, UNAVAILABLE, RequestError
+from manylora.metrics import graph_kinds
 from manylora.serving import CoreModelHandler, ExecuteProfiler, core_parts, instance_device, profile_folder
 
 logger = logging.getLogger("manylora.core_process")
 
-_HEAD = struct.Struct("<I")
-MAX_HEADER_BYTES = 64 << 20  # a job's header holds its rows' schema texts
+# a header holds ids, times, a job's requests and its rows' own errors (capped messages); every
+# per-row value and text travels in the blobs
+MAX_HEADER_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------- framing
@@ -70,21 +72,16 @@ def frame(kind: str, header: Optional[dict] = None, blobs: Sequence[bytes] = ())
     """One message: a u32 header length, the JSON header (``kind``, the blobs' lengths), the blobs."""
     head = json.dumps({**(header or {}), "kind": kind, "blobs": [len(b) for b in blobs]}, separators=(",", ":"))
     data = head.encode("utf-8")
-    return _HEAD.pack(len(data)) + data + b"".join(blobs)
+    return struct.pack("<I", len(data)) + data + b"".join(blobs)
 
 
 def unframe(data: bytes) -> tuple[dict, list[memoryview]]:
     """(header, blobs) of a ``frame``; ValueError if malformed."""
     view = memoryview(data)
-    if len(view) < _HEAD.size:
-        raise ValueError("message: truncated header")
-    (size,) = _HEAD.unpack_from(view)
-    if size > MAX_HEADER_BYTES or _HEAD.size + size > len(view):
-        raise ValueError("message: bad header length")
-    header = json.loads(bytes(view[_HEAD.size : _HEAD.size + size]))
+    header, offset = wire.read_header(view, MAX_HEADER_BYTES, "message")
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
         raise ValueError("message: no kind")
-    offset, blobs = _HEAD.size + size, []
+    blobs = []
     for length in header.get("blobs", []):
         if not isinstance(length, int) or length < 0 or offset + length > len(view):
             raise ValueError("message: truncated blob")
@@ -152,7 +149,7 @@ def decode_job(header: dict, blobs: list) -> tuple[list, list]:
     ends = np.cumsum(lengths).tolist()
     if (lengths < 0).any() or (ends[-1] if ends else 0) != len(blobs[1]):
         raise ValueError("job: the texts do not fill their blob")
-    texts = [bytes(blobs[1][e - n : e]).decode("utf-8") for e, n in zip(ends, arrays["text_bytes"].tolist())]
+    texts = [bytes(blobs[1][e - n : e]).decode("utf-8") for e, n in zip(ends, lengths.tolist())]
     errors = {index: RequestError(code, message) for index, code, message in header["errors"]}
     items, row, token_start, word_start = [], 0, 0, 0
     for index, (schema, adapter) in enumerate(zip(arrays["schema_of"].tolist(), arrays["adapter_of"].tolist())):
@@ -190,9 +187,7 @@ def metrics_snapshot(engine) -> dict:
     """What ``AdapterMetrics.publish`` reads from an engine, as plain numbers (the queued batch and
     call statistics and the load times drained, as publish does)."""
     store = engine.store
-    graphs = [
-        g for g in (getattr(engine, "graphs", None), getattr(getattr(engine, "heads", None), "graphs", None)) if g
-    ]
+    graphs = graph_kinds(engine)
     return {
         "events": [[*key, count] for key, count in list(store.events.items())],
         "graphs": [sum(g.stats["captures"] for g in graphs), sum(g.stats["capture_seconds"] for g in graphs)]

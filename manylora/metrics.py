@@ -50,6 +50,13 @@ CALL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 TIERS, EVENTS = ("host", "gpu"), ("hit", "miss", "evict")
 
 
+def graph_kinds(engine) -> list:
+    """The engine's CUDA graph sets with ``stats``: the encoder's and the heads'
+    (``lora.head_graphs``), published as one counter; those that are off are left out."""
+    kinds = [getattr(engine, "graphs", None), getattr(getattr(engine, "heads", None), "graphs", None)]
+    return [g for g in kinds if g is not None]
+
+
 class AdapterMetrics:
     def __init__(self, pb_utils, labels: dict[str, str]):
         family = pb_utils.MetricFamily
@@ -124,9 +131,7 @@ class AdapterMetrics:
     def publish(self, engine) -> None:
         store = engine.store
         counters = [(key, metric, store.events[key]) for key, metric in self.cache.items()]
-        # the encoder's graphs and the heads' (lora.head_graphs) in one counter
-        kinds = [getattr(engine, "graphs", None), getattr(getattr(engine, "heads", None), "graphs", None)]
-        kinds = [g for g in kinds if g is not None]
+        kinds = graph_kinds(engine)
         if kinds:
             counters.append(("captures", self.captures, sum(g.stats["captures"] for g in kinds)))
             counters.append(("capture_seconds", self.capture_seconds, sum(g.stats["capture_seconds"] for g in kinds)))

@@ -589,7 +589,7 @@ def core_handler(args: dict, pb_utils):
         from manylora.core_process import process_handler
 
         return process_handler(args, pb_utils, config)
-    return CoreModelHandler(args, pb_utils)
+    return CoreModelHandler(args, pb_utils, config)
 
 
 class CoreModelHandler(TritonModelHandler):
@@ -611,13 +611,16 @@ class CoreModelHandler(TritonModelHandler):
     _unpublished = False  # calls delivered since the metrics were last published
     _published_at = 0.0  # time.monotonic() of that publish
 
-    def __init__(self, args: dict, pb_utils):
+    def __init__(self, args: dict, pb_utils, config=None):
         from manylora.config import EngineConfig
 
         self.pb_utils = pb_utils
         model_config = json.loads(args["model_config"])
         device = instance_device(args)
-        config = EngineConfig.from_model_config(model_config, model_dir=Path(args["model_repository"]), device=device)
+        if config is None:  # core_handler passes the one it parsed
+            config = EngineConfig.from_model_config(
+                model_config, model_dir=Path(args["model_repository"]), device=device
+            )
         self.profiler = ExecuteProfiler(profile_folder(args.get("model_name", "")), args.get("model_instance_name", ""))
         self.core_model = ""
         self._load_engine(config, args, model_config, device)

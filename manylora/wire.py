@@ -50,16 +50,22 @@ def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
     return _HEADER.pack(len(head)) + head + b"".join(parts)
 
 
+def read_header(view: memoryview, limit: int = MAX_HEADER_BYTES, what: str = "packed arrays") -> tuple:
+    """(the JSON header, the offset after it) of a buffer that starts with a u32 length and that
+    header (``pack_arrays``, ``core_process.frame``); ValueError if malformed or above ``limit``."""
+    if len(view) < _HEADER.size:
+        raise ValueError(f"{what}: truncated header")
+    (size,) = _HEADER.unpack_from(view)
+    if size > limit or _HEADER.size + size > len(view):
+        raise ValueError(f"{what}: bad header length")
+    return json.loads(bytes(view[_HEADER.size : _HEADER.size + size])), _HEADER.size + size
+
+
 def unpack_arrays(data: bytes) -> dict[str, np.ndarray]:
     """The arrays ``pack_arrays`` packed (read-only views of ``data``); ValueError if malformed."""
     view = memoryview(data)
-    if len(view) < _HEADER.size:
-        raise ValueError("packed arrays: truncated header")
-    (size,) = _HEADER.unpack_from(view)
-    if size > MAX_HEADER_BYTES or _HEADER.size + size > len(view):
-        raise ValueError("packed arrays: bad header length")
-    header = json.loads(bytes(view[_HEADER.size : _HEADER.size + size]))
-    offset, out = _HEADER.size + size, {}
+    header, offset = read_header(view)
+    out = {}
     for name, (dtype, shape) in header.items():
         if dtype not in _DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"packed arrays: bad entry {name!r}")
